@@ -41,6 +41,219 @@ def zoo_list(
     typer.echo(format_table(list_entries(zoo)))
 
 
+@zoo_app.command("show")
+def zoo_show(entry: Annotated[str, typer.Argument(help="Entry name or path.")]) -> None:
+    """Print one entry's manifest: provenance, recipe, metrics, files (and the plan of a planned entry)."""
+    from ascq.zoo.manifest import resolve_entry
+    from ascq.zoo.show import format_entry
+
+    typer.echo(format_entry(resolve_entry(entry)))
+
+
+@zoo_app.command("verify")
+def zoo_verify(entry: Annotated[str, typer.Argument(help="Entry name or path.")]) -> None:
+    """Check sha256 of every file, that config and tokenizer load, and that tensor names match the format."""
+    from ascq.zoo.manifest import resolve_entry
+    from ascq.zoo.verify import verify_entry
+
+    entry_dir = resolve_entry(entry)
+    for line in verify_entry(entry_dir):
+        typer.echo(f"ok  {line}")
+    typer.echo(f"{entry_dir.name}: verified")
+
+
+@zoo_app.command("card")
+def zoo_card(
+    entry: Annotated[str, typer.Argument(help="Entry name or path.")],
+    repo: Annotated[str | None, typer.Option(help="Hub repo id (ORG/NAME) to use in the serving commands.")] = None,
+) -> None:
+    """Write the entry's README.md model card (Hub metadata) and record it in the manifest."""
+    from ascq.zoo.card import write_card
+    from ascq.zoo.manifest import resolve_entry
+
+    typer.echo(f"wrote {write_card(resolve_entry(entry), repo)}")
+
+
+@zoo_app.command("pull")
+def zoo_pull(
+    repo: Annotated[str, typer.Argument(help="Hub repo id, ORG/NAME.")],
+    revision: Annotated[str | None, typer.Option(help="Branch, tag or commit.")] = None,
+    out: Annotated[str | None, typer.Option(help="Target folder (default: the zoo's NAME).")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing entry.")] = False,
+) -> None:
+    """Download an entry from the Hub (HF_ENDPOINT honoured) into the zoo, then verify it."""
+    from ascq.zoo.hub import pull
+
+    pull(repo, revision=revision, out=out, force=force, echo=typer.echo)
+
+
+@app.command("publish")
+def publish(
+    entry: Annotated[str, typer.Argument(help="Entry name or path.")],
+    repo: Annotated[str, typer.Option(help="Hub repo id, ORG/NAME.")],
+    private: Annotated[bool, typer.Option(help="Create the repo private.")] = False,
+    revision: Annotated[str | None, typer.Option(help="Branch to commit to (created if missing).")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Print files, sizes and card; contact nothing.")] = False,
+    commit_message: Annotated[str | None, typer.Option(help="Commit summary.")] = None,
+) -> None:
+    """Verify an entry, write its card and upload it to the Hub (token: HF_TOKEN or `hf auth login`)."""
+    from ascq.zoo.hub import publish as publish_entry
+
+    publish_entry(entry, repo, private=private, revision=revision, dry_run=dry_run, commit_message=commit_message,
+                  echo=typer.echo)
+
+
+# ---- convert / recipes -----------------------------------------------------------------------------------
+
+
+@app.command("convert")
+def convert(
+    model: Annotated[str, typer.Argument(help="Local Hugging Face checkpoint folder, or a Hub id.")],
+    recipe: Annotated[list[str], typer.Option(help="Recipe name (see 'ascq recipes') or YAML path; repeat to compose.")],
+    out: Annotated[Path | None, typer.Option(help="Output entry folder (default: the zoo's MODEL-RECIPES).")] = None,
+    calib: Annotated[str | None, typer.Option(help="Calibration data: text/json/jsonl/parquet file or folder, or Hub dataset id.")] = None,
+    num_samples: Annotated[int, typer.Option(help="Calibration blocks.")] = 64,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration block.")] = 512,
+    device: Annotated[str, typer.Option(help="Calibration compute device: cpu, cuda or npu.")] = "cpu",
+    format: Annotated[str, typer.Option(help="compressed-tensors, or msmodelslim (vllm-ascend).")] = "compressed-tensors",
+    eval_text: Annotated[Path | None, typer.Option(help="Text for perplexity before/after (default: the fixture eval text for ascq fixtures).")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 2GB, 500MB.")] = "2GB",
+) -> None:
+    """Quantize a checkpoint with one or more recipes into a zoo entry (layer by layer, atomic)."""
+    from ascq.quantize.convert import ConvertOptions, format_summary, parse_size
+    from ascq.quantize.convert import convert as run_convert
+
+    options = ConvertOptions(
+        model=model, recipes=recipe, out=out, calib=calib, num_samples=num_samples, seq_len=seq_len, device=device,
+        format=format, eval_text=eval_text, max_shard_bytes=parse_size(max_shard_size),
+    )  # fmt: skip
+    typer.echo(format_summary(run_convert(options)))
+
+
+@app.command("recipes")
+def recipes() -> None:
+    """List the shipped recipes with their descriptions."""
+    from ascq.quantize.recipe import list_recipes
+
+    rows = list_recipes()
+    width = max(len(name) for name, _ in rows)
+    for name, description in rows:
+        typer.echo(f"{name.ljust(width)}  {description}")
+
+
+# ---- generate --------------------------------------------------------------------------------------------
+
+
+@app.command("generate")
+def generate(
+    model: Annotated[Path, typer.Argument(help="Model folder (a zoo entry or a Hugging Face checkpoint).")],
+    prompt: Annotated[list[str], typer.Option(help="Prompt text; repeat for a batch.")],
+    max_tokens: Annotated[int, typer.Option(help="Most new tokens per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens (0 = off).")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed per request.")] = None,
+    chat: Annotated[bool, typer.Option(help="Wrap each prompt as a user message in the chat template.")] = False,
+    device: Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Compute dtype: auto, float32, bfloat16, float16.")] = "auto",
+    kv_cache_dtype: Annotated[str, typer.Option(help="auto or fp8 (e4m3).")] = "auto",
+    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
+    max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
+    kv_cache_memory: Annotated[int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")] = None,
+) -> None:
+    """Generate text for one or more prompts offline and print it."""
+    from ascq.runtime.llm import LLM
+    from ascq.runtime.sampling_params import SamplingParams
+    from ascq.zoo.planned import require_weights
+
+    require_weights(model)  # a planned zoo entry: say which command produces its weights
+
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        llm = LLM(str(model), device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
+        if chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
+        else:
+            outputs = llm.generate(list(prompt), params)
+    except ValueError as exc:
+        raise AscqError(str(exc)) from exc
+    for output in outputs:
+        typer.echo(output.outputs[0].text if len(outputs) == 1 else f"[{output.request_id}] {output.outputs[0].text}")
+
+
+# ---- serve / bench serve ---------------------------------------------------------------------------------
+
+
+@app.command("serve")
+def serve(
+    model: Annotated[Path, typer.Argument(help="Model folder (a zoo entry or a Hugging Face checkpoint).")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(
+        help="Require 'Authorization: Bearer KEY' on /v1/* (default: $ASCQ_API_KEY, else open).")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Model name clients use (default: MODEL).")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.")] = 2048,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
+    kv_cache_dtype: Annotated[str, typer.Option(help="auto or fp8 (e4m3).")] = "auto",
+    kv_cache_memory: Annotated[int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")] = None,
+    dtype: Annotated[str, typer.Option(help="Compute dtype: auto, float32, bfloat16, float16.")] = "auto",
+    device: Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")] = "cpu",
+    chat_template: Annotated[str | None, typer.Option(help="Chat template file or inline Jinja text.")] = None,
+    seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+) -> None:
+    """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    import os
+
+    from ascq.runtime.engine_args import EngineArgs
+    from ascq.runtime.server.api_server import ServeOptions, run_server
+    from ascq.zoo.planned import require_weights
+
+    require_weights(model)  # a planned zoo entry: say which command produces its weights
+    engine_args = EngineArgs(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
+                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory,
+                             seed=seed, served_model_name=served_model_name)
+    options = ServeOptions(host=host, port=port, api_key=api_key or os.environ.get("ASCQ_API_KEY"),
+                           served_model_name=served_model_name, chat_template=chat_template)
+    run_server(engine_args, options)
+    # drained and shut down: skip the interpreter's module teardown (seconds with torch loaded), so that
+    # SIGTERM -> exit stays within the drain bound
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@bench_app.command("serve")
+def bench_serve(
+    base_url: Annotated[str, typer.Option(help="Server address.")] = "http://127.0.0.1:8000",
+    model: Annotated[str | None, typer.Option(help="Model name (default: the server's first).")] = None,
+    num_prompts: Annotated[int, typer.Option(help="Requests to send.")] = 100,
+    request_rate: Annotated[float, typer.Option(help="Poisson arrival rate, requests/s (inf = all at once).")] = float("inf"),
+    max_concurrency: Annotated[int | None, typer.Option(help="Most requests in flight.")] = None,
+    input_len: Annotated[int, typer.Option(help="Prompt tokens per request (random token ids).")] = 128,
+    output_len: Annotated[int, typer.Option(help="Generated tokens per request (ignore_eos).")] = 64,
+    api_key: Annotated[str | None, typer.Option(help="API key (default: $OPENAI_API_KEY).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of prompts and arrivals.")] = 0,
+    result_json: Annotated[Path | None, typer.Option(help="Also write the metrics to this JSON file.")] = None,
+) -> None:
+    """Benchmark a running server like `vllm bench serve`: throughput and TTFT / TPOT / ITL percentiles."""
+    import json
+    import os
+
+    from ascq.runtime.bench_serve import BenchServeOptions, format_report, options_dict, run_bench_serve
+
+    options = BenchServeOptions(base_url=base_url, model=model, num_prompts=num_prompts, request_rate=request_rate,
+                                max_concurrency=max_concurrency, input_len=input_len, output_len=output_len,
+                                api_key=api_key or os.environ.get("OPENAI_API_KEY"), seed=seed)
+    metrics = run_bench_serve(options)
+    typer.echo(format_report(metrics, options))
+    if result_json is not None:
+        result_json.write_text(json.dumps({"options": options_dict(options), "metrics": metrics}, indent=2) + "\n")
+
+
 # ---- entry point -----------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,261 @@
+"""CPU backend: the fastest measured path per scheme and batch size M on this CPU (AVX2 + FMA, no VNNI / AMX).
+
+Paths (thresholds from `python benchmarks/kernels.py`; table in the README "Kernels" section):
+- `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2), so from M >= DENSE_BF16_MAX_M the bf16
+  weight is copied into an fp32 workspace and multiplied in fp32.
+- `int4pack` (w4a16, out % 16 == 0, group 32/64/128/256, or per channel with in % 32 == 0 via replicated scales):
+  aten._weight_int4pack_mm_for_cpu with bf16 activations below INT4PACK_MAX_M; from there dequantize + fp32 GEMM
+  is 2-4x faster, unpacking the int4pack copy itself (its layout is checked per layer at load; only if it differs
+  are the int8 values kept as well).
+- `int8pack` (w8a16 per-channel symmetric): aten._weight_int8pack_mm with bf16 activations below INT8PACK_MAX_M.
+- `fbgemm` (w8a8 static/dynamic, w4a8 dynamic, per channel): fbgemm's int8 GEMM with explicit input qparams, exact.
+  AVX2 multiplies u8 x s8 pairs into saturating int16, so activations must stay within 7 bits: for int8 weights
+  the integer activation v (|v| <= 255) is split as v = 4*h + l (h in [-64, 63], l in [0, 3]) and run as two GEMMs;
+  int4 weights need no split (and win at every M); split int8 runs below FBGEMM_SPLIT_MAX_M. Per-token scales are
+  applied after the GEMM, so a token's result never depends on the rest of the batch.
+- `dequant`: everything else (fp32 activations for weight-only schemes, group sizes the kernels lack) and large M:
+  dequantize into an fp32 workspace and run an fp32 GEMM on the (fake-quantized) activations.
+The fp32 workspace is one module-level buffer grown to the largest layer: the backend is single-threaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ascq.kernels import QuantLinearWeights, moe
+from ascq.kernels.paged_sdpa import paged_attention, write_kv_cache
+from ascq.kernels.reference import fake_quantize_input, quantize_per_token, select_experts
+
+__all__ = ["linear", "moe_experts", "paged_attention", "prepare_experts", "prepare_linear", "select_experts"]
+__all__ += ["write_kv_cache"]
+
+DENSE_BF16_MAX_M = 8
+INT4PACK_MAX_M = 64
+INT8PACK_MAX_M = 64
+FBGEMM_SPLIT_MAX_M = 256
+INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
+ACTIVATION_SPLIT = 4  # v = 4*h + l keeps fbgemm's u8 activations within 7 bits
+INT4PACK_BLOCK_N = 32  # int4pack layout: [out/32, in, 16] bytes, low nibbles rows 0-15 of a block, high 16-31
+
+_workspace = torch.empty(0)
+
+
+def _fp32_workspace(rows: int, cols: int) -> torch.Tensor:
+    global _workspace
+    if _workspace.numel() < rows * cols:
+        _workspace = torch.empty(rows * cols)
+    return _workspace[: rows * cols].view(rows, cols)
+
+
+@dataclass
+class CpuLinear:
+    kernel: str  # dense | int4pack | int8pack | fbgemm | dequant
+    weights: QuantLinearWeights  # scheme and input qparams; its weight is on the meta device
+    out_features: int
+    weight: torch.Tensor | None  # dense: float; else int8 [out, in] for the dequant path (None: unused)
+    scale: torch.Tensor | None = None  # fp32 [out, groups]
+    zero: torch.Tensor | None = None  # fp32 [out, groups]
+    packed: Any = None  # int4pack uint8 | fbgemm packed params
+    packed_group_size: int = 0
+    packed_scales: torch.Tensor | None = None  # int4pack scales_and_zeros | int8pack scales
+    bias: torch.Tensor | None = None  # fp32
+
+
+def _int4pack_group_size(w: QuantLinearWeights) -> int | None:
+    if w.out_features % 16:
+        return None
+    if w.group_size is not None and w.group_size != w.in_features:
+        return w.group_size if w.group_size in INT4PACK_GROUP_SIZES else None
+    return next((g for g in INT4PACK_GROUP_SIZES if w.in_features % g == 0), None)
+
+
+def _choose_kernel(w: QuantLinearWeights, dtype: torch.dtype) -> str:
+    per_channel = w.group_size is None or w.group_size == w.in_features
+    if w.scheme == "dense":
+        return "dense"
+    if w.scheme in ("w8a8_dynamic", "w8a8_static", "w4a8_dynamic"):
+        return "fbgemm" if per_channel else "dequant"
+    if dtype != torch.bfloat16:
+        return "dequant"
+    if w.scheme == "w4a16" and _int4pack_group_size(w) is not None:
+        return "int4pack"
+    if w.scheme == "w8a16" and per_channel and w.weight_zero_point is None:
+        return "int8pack"
+    return "dequant"
+
+
+def _prepare_int4pack(p: CpuLinear) -> None:
+    group_size = _int4pack_group_size(p.weights)
+    num_groups = p.weight.shape[1] // group_size
+    scale = p.scale.repeat_interleave(num_groups // p.scale.shape[1], dim=1)
+    zero = (
+        torch.zeros_like(scale)
+        if p.zero is None
+        else p.zero.repeat_interleave(num_groups // p.zero.shape[1], 1)
+    )
+    unsigned = (p.weight.to(torch.int32) + 8).contiguous()
+    p.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2)
+    p.packed_group_size = group_size
+    # the kernel computes (u - 8) * scale + offset; ours is (q - zero) * scale with q = u - 8
+    p.packed_scales = torch.stack([scale.T, (-zero * scale).T], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def _prepare_fbgemm(p: CpuLinear) -> None:
+    zero = torch.zeros(p.out_features, dtype=torch.int64) if p.zero is None else p.zero[:, 0].round().long()
+    with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes them
+        warnings.simplefilter("ignore")
+        qweight = torch._make_per_channel_quantized_tensor(p.weight, p.scale[:, 0].double(), zero, 0)
+        p.packed = torch.ops.quantized.linear_prepack(qweight, None)
+
+
+def _metadata_only(w: QuantLinearWeights) -> QuantLinearWeights:
+    """`w` with its weight on the meta device: the scheme and input qparams, without holding the weight."""
+    return dataclasses.replace(w, weight=w.weight.to("meta"))
+
+
+def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) -> CpuLinear:
+    kernel = _choose_kernel(w, dtype)
+    bias = None if w.bias is None else w.bias.float()
+    meta = _metadata_only(w)
+    if kernel == "dense":
+        return CpuLinear(kernel, meta, w.out_features, w.weight.to(dtype).contiguous(), bias=bias)
+    zero = None if w.weight_zero_point is None else w.weight_zero_point.float()
+    p = CpuLinear(
+        kernel, meta, w.out_features, w.weight.contiguous(), w.weight_scale.float(), zero, bias=bias
+    )
+    if kernel == "int4pack":
+        _prepare_int4pack(p)
+        if _unpacks_exactly(p):
+            p.weight = None  # keep 4 bits per weight: large M dequantizes from the packed copy
+    elif kernel == "int8pack":
+        p.packed_scales = p.scale[:, 0].to(torch.bfloat16)
+    elif kernel == "fbgemm":
+        _prepare_fbgemm(p)
+        if w.num_bits == 4:
+            p.weight = None  # fbgemm keeps its own copy and serves every M
+    return p
+
+
+def _unpack_int4pack_into(p: CpuLinear, buf: torch.Tensor) -> torch.Tensor:
+    """The signed int4 values of an int4pack weight, written into `buf` [out, in] (any float dtype)."""
+    out_features, in_features = buf.shape
+    packed = p.packed.view(out_features // INT4PACK_BLOCK_N, in_features, INT4PACK_BLOCK_N // 2).transpose(
+        1, 2
+    )
+    blocks = buf.view(out_features // INT4PACK_BLOCK_N, INT4PACK_BLOCK_N, in_features)
+    blocks[:, : INT4PACK_BLOCK_N // 2].copy_(packed & 15)
+    blocks[:, INT4PACK_BLOCK_N // 2 :].copy_(packed >> 4)
+    return buf.sub_(8)
+
+
+def _unpacks_exactly(p: CpuLinear) -> bool:
+    """Whether this torch build's int4pack layout is the one `_unpack_int4pack_into` reads (checked per layer)."""
+    if p.weight.shape[0] % INT4PACK_BLOCK_N or p.packed.numel() * 2 != p.weight.numel():
+        return False
+    unpacked = _unpack_int4pack_into(p, torch.empty(p.weight.shape, dtype=torch.int16))
+    return torch.equal(unpacked, p.weight.to(torch.int16))
+
+
+def _dequantized(p: CpuLinear) -> torch.Tensor:
+    buf = _fp32_workspace(p.out_features, p.weights.in_features)
+    if p.weight is None:
+        _unpack_int4pack_into(p, buf)
+    else:
+        buf.copy_(p.weight)
+    if p.scale is None:
+        return buf
+    grouped = buf.view(p.scale.shape[0], p.scale.shape[1], -1)
+    if p.zero is not None:
+        grouped.sub_(p.zero[..., None])
+    grouped.mul_(p.scale[..., None])
+    return buf
+
+
+def _dequant_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    return F.linear(fake_quantize_input(x.float(), p.weights), _dequantized(p), p.bias)
+
+
+def _dense_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    if p.weight.dtype == torch.bfloat16 and x.shape[0] >= DENSE_BF16_MAX_M:
+        return _dequant_linear(x, p)
+    bias = None if p.bias is None else p.bias.to(p.weight.dtype)
+    return F.linear(x.to(p.weight.dtype), p.weight, bias)
+
+
+def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    if x.shape[0] >= INT4PACK_MAX_M:
+        return _dequant_linear(x, p)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16).contiguous(), p.packed, p.packed_group_size, p.packed_scales
+    )
+    return y if p.bias is None else y + p.bias
+
+
+def _int8pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    if x.shape[0] >= INT8PACK_MAX_M:
+        return _dequant_linear(x, p)
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), p.weight, p.packed_scales)
+    return y if p.bias is None else y + p.bias
+
+
+def _integer_activations(x: torch.Tensor, w: QuantLinearWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v, scale): x ~= v * scale with v integer-valued fp32 (zero point removed), scale per token or scalar."""
+    if w.scheme == "w8a8_static":
+        scale = w.input_scale.float().reshape(())
+        zero = 0.0 if w.input_zero_point is None else w.input_zero_point.float().reshape(())
+        return ((x / scale).round() + zero).clamp(-128, 127) - zero, scale
+    return quantize_per_token(x)
+
+
+def _fbgemm_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    if p.weights.num_bits == 8 and x.shape[0] >= FBGEMM_SPLIT_MAX_M:
+        return _dequant_linear(x, p)
+    gemm = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    v, scale = _integer_activations(x.float(), p.weights)
+    if p.weights.num_bits == 4:
+        y = gemm(v, 1.0, 128, p.packed)
+    else:
+        high = torch.floor(v / ACTIVATION_SPLIT)
+        y = gemm(high, 1.0, 64, p.packed) * ACTIVATION_SPLIT + gemm(
+            v - high * ACTIVATION_SPLIT, 1.0, 0, p.packed
+        )
+    y = y * scale
+    return y if p.bias is None else y + p.bias
+
+
+_LINEARS = {
+    "dense": _dense_linear,
+    "int4pack": _int4pack_linear,
+    "int8pack": _int8pack_linear,
+    "fbgemm": _fbgemm_linear,
+    "dequant": _dequant_linear,
+}
+
+
+def linear(x: torch.Tensor, prepared: CpuLinear) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], prepared.out_features)
+    y = _LINEARS[prepared.kernel](rows, prepared)
+    return y.to(x.dtype).reshape(*x.shape[:-1], prepared.out_features)
+
+
+def prepare_experts(
+    gate: list[QuantLinearWeights],
+    up: list[QuantLinearWeights],
+    down: list[QuantLinearWeights],
+    dtype: torch.dtype = torch.float32,
+) -> moe.PreparedExperts:
+    return moe.prepare_experts(prepare_linear, gate, up, down, dtype)
+
+
+def moe_experts(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prepared_experts: moe.PreparedExperts
+) -> torch.Tensor:
+    return moe.moe_experts(linear, x, topk_weights, topk_ids, prepared_experts)

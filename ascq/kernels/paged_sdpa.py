@@ -1,0 +1,133 @@
+"""Paged KV cache write + attention built on torch's scaled_dot_product_attention; shared by the `cpu` and `cuda`
+backends.
+
+Decode rows (one query token per sequence) run as one batched fp32 attention over each sequence's gathered, padded
+context; prefill chunks run one SDPA per sequence (plain causal when the chunk is the whole context, else an explicit mask,
+since SDPA's `is_causal` aligns top-left). float8 caches are read and written through uint8 views, which index on
+every device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _store(
+    cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, scale: float | torch.Tensor
+) -> None:
+    flat = cache.view(-1, *cache.shape[2:])
+    if cache.dtype in FP8_DTYPES:
+        limit = torch.finfo(cache.dtype).max
+        x8 = (x.float() / scale).clamp(-limit, limit).to(cache.dtype)
+        flat.view(torch.uint8)[slot_mapping] = x8.view(torch.uint8)
+    else:
+        flat[slot_mapping] = x.to(cache.dtype)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> None:
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    _store(k_cache, key, slots, k_scale)
+    _store(v_cache, value, slots, v_scale)
+
+
+def _gather(
+    cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, scale: float | torch.Tensor
+) -> torch.Tensor:
+    """cache rows at `slots` (any shape) -> [*slots.shape, Hkv, D] in `dtype`, fp8 rescaled."""
+    flat = cache.view(-1, *cache.shape[2:])
+    if cache.dtype in FP8_DTYPES:
+        raw = flat.view(torch.uint8).index_select(0, slots.flatten()).view(cache.dtype)
+        rows = (raw.to(torch.float32) * scale).to(dtype)
+    else:
+        rows = flat.index_select(0, slots.flatten()).to(dtype)
+    return rows.view(*slots.shape, *cache.shape[2:])
+
+
+def _slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots [S, length] of each sequence's first `length` positions (padding -> slot 0)."""
+    positions = torch.arange(length, device=block_tables.device)
+    blocks = block_tables.long()[:, positions // block_size]
+    slots = blocks * block_size + positions % block_size
+    return torch.where(positions[None, :] < seq_lens[:, None], slots, 0)
+
+
+def _attend_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale):
+    """query [B, H, D], one token per sequence at its last position -> [B, H, D].
+
+    Plain fp32 math: for one query row it is ~5x faster than SDPA's CPU flash kernel (measured at 130 keys).
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads, max_len = k_cache.shape[2], int(seq_lens.max())
+    slots = _slots(block_tables, seq_lens, max_len, k_cache.shape[1])
+    keys = _gather(k_cache, slots, torch.float32, k_scale)  # [B, L, Hkv, D]
+    values = _gather(v_cache, slots, torch.float32, v_scale)
+    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale
+    padding = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), values)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _attend_prefill(query, k_cache, v_cache, block_table, seq_len, scale, k_scale, v_scale):
+    """query [Lq, H, D] = the last Lq positions of a seq_len-token context -> [Lq, H, D]."""
+    query_len, block_size = query.shape[0], k_cache.shape[1]
+    seq_lens = torch.tensor([seq_len], device=query.device)
+    slots = _slots(block_table[None], seq_lens, seq_len, block_size)
+    keys = _gather(k_cache, slots, query.dtype, k_scale).transpose(1, 2)
+    values = _gather(v_cache, slots, query.dtype, v_scale).transpose(1, 2)
+    q = query.transpose(0, 1)[None]  # [1, H, Lq, D]
+    if query_len == seq_len:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    device = query.device
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
+    if all(n == 1 for n in query_lens):  # pure decode step: no scatter back needed
+        lens = seq_lens.to(device=device, dtype=torch.long)
+        return _attend_decode(query, k_cache, v_cache, block_tables.to(device), lens, scale, k_scale, v_scale)
+    out = torch.empty_like(query)
+    decode = [s for s, n in enumerate(query_lens) if n == 1]
+    if decode:
+        index = torch.tensor(decode, device=device)
+        rows = torch.tensor([starts[s] for s in decode], device=device)
+        tables = block_tables.to(device)[index]
+        lens = seq_lens.to(device=device, dtype=torch.long)[index]
+        out[rows] = _attend_decode(query[rows], k_cache, v_cache, tables, lens, scale, k_scale, v_scale)
+    for s, query_len in enumerate(query_lens):
+        if query_len > 1:
+            rows = slice(starts[s], starts[s] + query_len)
+            table = block_tables[s].to(device)
+            out[rows] = _attend_prefill(
+                query[rows], k_cache, v_cache, table, lengths[s], scale, k_scale, v_scale
+            )
+    return out

@@ -1,0 +1,173 @@
+"""Reference backend: plain torch, fp32 math, written to be read. The ground truth every other backend is tested
+against; slow on purpose (loops over sequences and experts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ascq.kernels import QuantLinearWeights
+
+INT8_MIN, INT8_MAX = -128, 127
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize_weight(w: QuantLinearWeights) -> torch.Tensor:
+    """The layer's weight as fp32 [out, in]: (q - zero_point) * scale, broadcast per channel or per group."""
+    if w.scheme == "dense":
+        return w.weight.float()
+    group_size = w.group_size or w.in_features
+    scale = w.weight_scale.float().repeat_interleave(group_size, dim=1)
+    zero = (
+        0.0
+        if w.weight_zero_point is None
+        else w.weight_zero_point.float().repeat_interleave(group_size, dim=1)
+    )
+    return (w.weight.float() - zero) * scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric dynamic int8 quantization per row: (q as fp32 integer values, scale [..., 1])."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
+    return (x / scale).round().clamp(INT8_MIN, INT8_MAX), scale
+
+
+def fake_quantize_input(x: torch.Tensor, w: QuantLinearWeights) -> torch.Tensor:
+    """The fp32 activation a W8A8/W4A8 kernel effectively multiplies: quantized to int8 then dequantized."""
+    if w.scheme in ("w8a8_dynamic", "w4a8_dynamic"):
+        q, scale = quantize_per_token(x)
+        return q * scale
+    if w.scheme == "w8a8_static":
+        scale = w.input_scale.float().reshape(())
+        zero = 0.0 if w.input_zero_point is None else w.input_zero_point.float().reshape(())
+        q = ((x / scale).round() + zero).clamp(INT8_MIN, INT8_MAX)
+        return (q - zero) * scale
+    return x
+
+
+@dataclass
+class ReferenceLinear:
+    weights: QuantLinearWeights
+    dequantized: torch.Tensor  # fp32 [out, in]
+
+
+def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) -> ReferenceLinear:
+    return ReferenceLinear(weights=w, dequantized=dequantize_weight(w))
+
+
+def linear(x: torch.Tensor, prepared: ReferenceLinear) -> torch.Tensor:
+    x32 = fake_quantize_input(x.float(), prepared.weights)
+    y = x32 @ prepared.dequantized.T
+    if prepared.weights.bias is not None:
+        y = y + prepared.weights.bias.float()
+    return y.to(x.dtype)
+
+
+def _to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float | torch.Tensor) -> torch.Tensor:
+    if cache_dtype in FP8_DTYPES:
+        limit = torch.finfo(cache_dtype).max
+        return (x.float() / scale).clamp(-limit, limit).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def _from_cache(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    return x.float() * scale if x.dtype in FP8_DTYPES else x.float()
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> None:
+    """Store token t's key/value [T, Hkv, D] at flat slot slot_mapping[t] (= block * block_size + offset)."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        flat = cache.view(-1, num_kv_heads, head_dim)
+        flat[slot_mapping] = _to_cache(x, cache.dtype, scale)
+
+
+def gather_sequence_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float | torch.Tensor
+) -> torch.Tensor:
+    """A sequence's first seq_len cached tokens as fp32 [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    positions = torch.arange(seq_len)
+    slots = block_table.long()[positions // block_size] * block_size + positions % block_size
+    return _from_cache(cache.view(-1, *cache.shape[2:])[slots], scale)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new query tokens over its whole cached context (this step included)."""
+    num_heads = query.shape[1]
+    out = torch.empty_like(query)
+    for s in range(len(seq_lens)):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        seq_len, query_len = int(seq_lens[s]), end - start
+        keys = gather_sequence_kv(k_cache, block_tables[s], seq_len, k_scale)
+        values = gather_sequence_kv(v_cache, block_tables[s], seq_len, v_scale)
+        group = num_heads // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        q = query[start:end].float()
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        query_positions = torch.arange(seq_len - query_len, seq_len)
+        visible = torch.arange(seq_len)[None, :] <= query_positions[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(query.dtype)
+    return out
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (fp32), then the top_k weights and expert ids per token."""
+    scores = router_logits.float().softmax(dim=-1)
+    topk_weights, topk_ids = scores.topk(top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+def prepare_experts(
+    gate: list[QuantLinearWeights],
+    up: list[QuantLinearWeights],
+    down: list[QuantLinearWeights],
+    dtype: torch.dtype = torch.float32,
+) -> list[tuple[ReferenceLinear, ReferenceLinear, ReferenceLinear]]:
+    return [
+        (prepare_linear(g, dtype), prepare_linear(u, dtype), prepare_linear(d, dtype))
+        for g, u, d in zip(gate, up, down, strict=True)
+    ]
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    prepared_experts: list[tuple[ReferenceLinear, ReferenceLinear, ReferenceLinear]],
+) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x))."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert_id, (gate, up, down) in enumerate(prepared_experts):
+        token_ids, slot = (topk_ids == expert_id).nonzero(as_tuple=True)
+        if len(token_ids) == 0:
+            continue
+        tokens = x[token_ids]
+        expert_out = linear(F.silu(linear(tokens, gate)) * linear(tokens, up), down)
+        out.index_add_(0, token_ids, expert_out.float() * topk_weights[token_ids, slot, None])
+    return out.to(x.dtype)

@@ -1,0 +1,172 @@
+"""AWQ (Lin et al., MLSys 2024) as AutoAWQ implements it: activation-aware scale search, then clip search.
+
+For one balance group (the linears that read the same input, e.g. q/k/v after `input_layernorm`):
+  x_mean = mean |x| per input channel, w_mean = group-normalised |W| averaged over output rows,
+  s(α) = x_mean^α / w_mean^(1-α), normalised by sqrt(max·min), for α on a 20-step grid;
+  the α whose fake-quantised weights `Q(W·s)/s` give the smallest MSE of the block's output wins.
+The scales are then folded into the producer of the group's input (the RMSNorm weight or the previous linear's
+rows), which leaves the full-precision function unchanged. The clip search then shrinks each weight group's
+range by up to 50% and keeps the shrink that minimises that group's partial-output MSE.
+
+`fake_quantize` is the caller's quantize-dequantize of a weight matrix (the recipe's scheme); the functions here
+only search and fold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+FakeQuantize = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass
+class AWQSearchConfig:
+    num_grid: int = 20  # α steps in [0, 1)
+    duo_scaling: bool = True  # False: s = x_mean^α (the paper's first variant)
+    max_shrink: float = 0.5  # the clip search shrinks a group's max by up to this fraction
+    num_clip_steps: int = 20
+    max_clip_tokens: int = 512  # tokens sampled for the clip search
+    max_search_tokens: int = 4096  # calibration tokens the α search runs its block on (mean |x| uses all)
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.num_grid < 1 or self.num_clip_steps < 1:
+            raise ValueError("AWQ: num_grid and num_clip_steps must be >= 1")
+        if not 0.0 <= self.max_shrink < 1.0:
+            raise ValueError("AWQ: max_shrink must be in [0, 1)")
+        if self.group_size < 1 or self.max_clip_tokens < 1 or self.max_search_tokens < 1:
+            raise ValueError("AWQ: group_size, max_clip_tokens and max_search_tokens must be >= 1")
+
+
+def activation_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean |x| per input channel over all tokens: [..., in] -> [in] (float32)."""
+    return x.reshape(-1, x.shape[-1]).float().abs().mean(dim=0)
+
+
+def weight_mean(weights: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
+    """|W| normalised by its quantization group's max, averaged over all output rows of the group: -> [in]."""
+    w = torch.cat([w.float() for w in weights], dim=0)
+    rows, cols = w.shape
+    size = group_size if cols % group_size == 0 else cols
+    w = w.abs().view(-1, size)
+    w = w / w.amax(dim=1, keepdim=True).clamp(min=1e-12)
+    return w.view(rows, cols).mean(dim=0)
+
+
+def duo_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float) -> torch.Tensor:
+    """s = x_mean^α / w_mean^(1-α) (or x_mean^α without w_mean), normalised so that max·min = 1."""
+    if w_mean is None:
+        scales = x_mean.pow(alpha).clamp(min=1e-4)
+    else:
+        scales = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+    return scales / (scales.max() * scales.min()).sqrt()
+
+
+@torch.no_grad()
+def search_scales(
+    x_mean: torch.Tensor,
+    linears: Sequence[nn.Linear],
+    block_output: Callable[[], torch.Tensor],
+    fake_quantize: FakeQuantize | Sequence[FakeQuantize],
+    config: AWQSearchConfig,
+) -> tuple[torch.Tensor, float, list[float]]:
+    """Best per-input-channel scales for `linears` (which all read the same input, of mean |x| `x_mean`).
+
+    `block_output()` runs the computation that contains the linears (e.g. the attention or MLP module) on the
+    calibration input with the linears' current weights. Returns (scales [in], best α, loss per α); the linears'
+    weights are restored before returning. `fake_quantize` may be one function or one per linear.
+    """
+    quantizers = [fake_quantize] * len(linears) if callable(fake_quantize) else list(fake_quantize)
+    w_mean = weight_mean([lin.weight for lin in linears], config.group_size) if config.duo_scaling else None
+    reference = block_output().float()
+    originals = [lin.weight.data.clone() for lin in linears]
+    losses: list[float] = []
+    best = (float("inf"), 0.0, torch.ones_like(x_mean))
+    try:
+        for step in range(config.num_grid):
+            alpha = step / config.num_grid
+            scales = duo_scales(x_mean, w_mean, alpha)
+            for lin, w, quantize in zip(linears, originals, quantizers, strict=True):
+                lin.weight.data = (quantize(w.float() * scales) / scales).to(w.dtype)
+            loss = (block_output().float() - reference).pow(2).mean().item()
+            losses.append(loss)
+            if loss < best[0]:
+                best = (loss, alpha, scales)
+    finally:
+        for lin, w in zip(linears, originals, strict=True):
+            lin.weight.data = w
+    if not torch.isfinite(best[2]).all():
+        raise FloatingPointError("AWQ scale search produced non-finite scales")
+    return best[2], best[1], losses
+
+
+@torch.no_grad()
+def fold_into_norm(norm: nn.Module, consumers: Sequence[nn.Linear], scales: torch.Tensor) -> None:
+    """norm.weight /= s and every consumer's input columns *= s: the composed function is unchanged.
+
+    `consumers` includes every linear that reads the norm's output (for MoE, the router too, unquantized).
+    """
+    norm.weight.data = (norm.weight.float() / scales).to(norm.weight.dtype)
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.data = (norm.bias.float() / scales).to(norm.bias.dtype)
+    for lin in consumers:
+        lin.weight.data = (lin.weight.float() * scales).to(lin.weight.dtype)
+
+
+@torch.no_grad()
+def fold_into_linear(producer: nn.Linear, consumers: Sequence[nn.Linear], scales: torch.Tensor) -> None:
+    """producer's output rows /= s and the consumers' input columns *= s (v->o, up->down)."""
+    producer.weight.data = (producer.weight.float() / scales[:, None]).to(producer.weight.dtype)
+    if producer.bias is not None:
+        producer.bias.data = (producer.bias.float() / scales).to(producer.bias.dtype)
+    for lin in consumers:
+        lin.weight.data = (lin.weight.float() * scales).to(lin.weight.dtype)
+
+
+def sample_tokens(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """At most `max_tokens` rows of `x` flattened to [tokens, features], evenly spaced."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    step = max(1, x.shape[0] // max_tokens)
+    return x[::step][:max_tokens]
+
+
+@torch.no_grad()
+def search_clip(
+    weight: torch.Tensor, x: torch.Tensor, fake_quantize: FakeQuantize, config: AWQSearchConfig
+) -> torch.Tensor:
+    """Per (output row, group) clip bound max|w| · (1 - shrink), shrink in {0, max_shrink/steps, ..., max_shrink}.
+
+    Each group's bound minimises the MSE of its partial output x_g · w_gᵀ over the sampled tokens `x`.
+    Returns max_val [out, num_groups].
+    """
+    w = weight.float()
+    out_dim, in_dim = w.shape
+    size = config.group_size if in_dim % config.group_size == 0 else in_dim
+    num_groups = in_dim // size
+    xs = sample_tokens(x, config.max_clip_tokens).view(-1, num_groups, size)  # [n, g, s]
+    original_max = w.abs().view(out_dim, num_groups, size).amax(dim=-1)  # [out, g]
+    reference = torch.einsum("ngs,ogs->nog", xs, w.view(out_dim, num_groups, size))
+    best_err = torch.full_like(original_max, float("inf"))
+    best_max = original_max.clone()
+    for step in range(config.num_clip_steps + 1):
+        max_val = original_max * (1 - config.max_shrink * step / config.num_clip_steps)
+        bound = max_val.repeat_interleave(size, dim=1)
+        q = fake_quantize(torch.maximum(torch.minimum(w, bound), -bound))
+        out = torch.einsum("ngs,ogs->nog", xs, q.view(out_dim, num_groups, size))
+        err = (out - reference).pow(2).mean(dim=0)  # [out, g]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_max = torch.where(better, max_val, best_max)
+    return best_max
+
+
+@torch.no_grad()
+def apply_clip(linear: nn.Linear, max_val: torch.Tensor) -> None:
+    """Clamp each (row, group) of the weight to [-max_val, max_val]."""
+    w = linear.weight
+    bound = max_val.repeat_interleave(w.shape[1] // max_val.shape[1], dim=1).to(w.dtype)
+    w.data = torch.maximum(torch.minimum(w.data, bound), -bound)

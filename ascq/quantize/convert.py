@@ -1,0 +1,238 @@
+"""`ascq convert`: a Hugging Face checkpoint + recipes -> a compressed-tensors zoo entry, written atomically."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import compressed_tensors
+import torch
+
+from ascq.errors import AscqError, UnsupportedError
+from ascq.paths import EVAL_TEXT, zoo_root
+from ascq.quantize.architectures import load_architecture
+from ascq.quantize.calibration import hub_reachable, load_calibration
+from ascq.quantize.checkpoint import CheckpointReader
+from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
+from ascq.quantize.pipeline import stream_convert
+from ascq.quantize.recipe import ComposedRecipe, load_recipes
+from ascq.zoo.manifest import MANIFEST_NAME, new_manifest, read_manifest, staged_entry, write_manifest
+
+FORMATS = ("compressed-tensors", "msmodelslim")
+DEVICES = ("cpu", "cuda", "npu")
+COPIED_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json", "LICENSE", "README.md",
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class ConvertOptions:
+    model: str
+    recipes: list[str]
+    out: Path | None = None
+    calib: str | None = None
+    num_samples: int = 64
+    seq_len: int = 512
+    device: str = "cpu"
+    format: str = "compressed-tensors"
+    eval_text: Path | None = None
+    max_shard_bytes: int = 2 << 30
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.recipes:
+            raise AscqError("give at least one --recipe (see 'ascq recipes')")
+        if self.num_samples < 1 or self.seq_len < 2:
+            raise AscqError("--num-samples must be >= 1 and --seq-len >= 2")
+        if self.device.split(":")[0] not in DEVICES:
+            raise AscqError(f"--device {self.device!r}: use one of {', '.join(DEVICES)}")
+        if self.format not in FORMATS:
+            raise UnsupportedError(f"--format {self.format!r}: supported: {', '.join(FORMATS)}")
+        if self.max_shard_bytes < 1:
+            raise AscqError("--max-shard-size must be positive")
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local checkpoint folder, or a Hub id downloaded through huggingface_hub (clear error when offline)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise AscqError(f"{model} is not a folder")
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise AscqError(f"model folder {model} does not exist")
+    from huggingface_hub import snapshot_download
+
+    if not hub_reachable():
+        raise AscqError(f"{model} is not a local folder and the Hugging Face Hub is unreachable (offline?)")
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"]))
+    except Exception as exc:  # offline, unknown repo, gated: all mean "cannot get it"
+        raise AscqError(f"cannot download {model} from the Hugging Face Hub ({type(exc).__name__}); pass a local folder") from None
+
+
+def check_device(device: str) -> str:
+    kind = device.split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise AscqError("--device cuda: no CUDA device is available")
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            raise AscqError("--device npu: torch_npu is not installed (pip install ascq[npu] with the CANN toolkit)") from None
+    return device
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process. Linux: VmHWM, because getrusage's ru_maxrss survives exec and so
+    reports the parent's RSS at fork when that was larger (a pytest parent, a shell that just wrote the model)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _source_manifest(model_dir: Path) -> dict[str, Any] | None:
+    path = model_dir / MANIFEST_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def convert(options: ConvertOptions) -> Path:
+    """Convert and write the entry; returns its folder."""
+    start = time.perf_counter()
+    check_library_version()
+    model_dir = resolve_model_dir(options.model)
+    device = check_device(options.device)
+    arch = load_architecture(model_dir)
+    reader = CheckpointReader(model_dir)
+    recipe = load_recipes(list(options.recipes))
+    _check_format(options.format, recipe)
+    tokenizer = _tokenizer(model_dir)
+    calib = load_calibration(options.calib, tokenizer, options.num_samples, options.seq_len)
+    source = _source_manifest(model_dir)
+    eval_path = options.eval_text or (EVAL_TEXT if source is not None else None)
+    eval_ids = None
+    if eval_path is not None:
+        from ascq.evaluate import load_eval_token_ids
+
+        eval_ids = load_eval_token_ids(tokenizer, eval_path)
+    name = f"{model_dir.name}-{'+'.join(recipe.names)}"
+    target = Path(options.out) if options.out else zoo_root() / name
+    with staged_entry(target) as staging:
+        writer = _writer(options, staging, reader, arch.config)
+        result = stream_convert(
+            reader, arch, recipe, calib.input_ids, staging, device, options.max_shard_bytes, eval_ids, options.progress,
+            writer,
+        )
+        if options.format == "msmodelslim":
+            writer.write_config(staging, arch.config)
+        else:
+            write_config(staging, arch.config, result.qconfig)
+        for file in COPIED_FILES:
+            if (model_dir / file).is_file():
+                shutil.copy2(model_dir / file, staging / file)
+        metrics: dict[str, Any] = {}
+        if result.perplexity is not None:
+            from ascq.evaluate import unigram_perplexity
+
+            metrics = {
+                "perplexity": result.perplexity,
+                "perplexity_base": result.perplexity_base,
+                "unigram_perplexity": unigram_perplexity(calib.input_ids, eval_ids, int(arch.config["vocab_size"])),
+                "eval_text": str(eval_path),
+                "num_eval_tokens": int(eval_ids.numel()),
+            }
+        import transformers
+
+        manifest = new_manifest(
+            target.name,
+            source={"model": options.model, "revision": None},
+            base_model=(source or {}).get("base_model") or (source or {}).get("name") or options.model,
+            license=(source or {}).get("license"),
+            format=options.format,
+            scheme=result.scheme,
+            recipe={"names": recipe.names, "text": "\n---\n".join(r.text.strip() + "\n" for r in recipe.recipes)},
+            calibration={"dataset": calib.dataset, "num_samples": calib.num_samples, "seq_len": calib.seq_len},
+            metrics=metrics,
+            conversion={
+                "seconds": round(time.perf_counter() - start, 2),
+                "peak_rss_bytes": peak_rss_bytes(),
+                "device": device,
+                "num_layers": arch.num_layers,
+                "num_quantized_linears": result.num_quantized_linears,
+                "source_bytes": reader.num_bytes,
+                "group_size_fallbacks": result.fallbacks,
+                "modifiers": [{"name": m.name, **m.summary()} for m in recipe.modifiers],
+                "layers": result.layers,
+                "compressed_tensors_version": compressed_tensors.__version__,
+                "transformers_version": transformers.__version__,
+            },
+        )
+        write_manifest(staging, manifest)
+    return target
+
+
+def _writer(options: ConvertOptions, staging: Path, reader: CheckpointReader, config: dict) -> ShardWriter:
+    """The output format's shard writer: compressed-tensors, or msModelSlim for vllm-ascend."""
+    if options.format == "msmodelslim":
+        from ascq.quantize.msmodelslim import MsModelSlimWriter
+
+        return MsModelSlimWriter(staging, options.max_shard_bytes, reader.dtype(), config)
+    return ShardWriter(staging, options.max_shard_bytes)
+
+
+def _check_format(fmt: str, recipe: ComposedRecipe) -> None:
+    """Reject recipe/format pairs that cannot be written, before any calibration work."""
+    if fmt != "msmodelslim" and any(m.name == "KVCacheInt8Modifier" for m in recipe.modifiers):
+        raise UnsupportedError("the kv-int8-c8 recipe (vllm-ascend C8 KV cache) needs --format msmodelslim")
+    if fmt == "msmodelslim":
+        from ascq.quantize.msmodelslim import check_recipe_schemes
+
+        check_recipe_schemes(recipe.schemes())
+
+
+def _tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except Exception as exc:  # missing/broken tokenizer files
+        raise AscqError(f"{model_dir}: cannot load its tokenizer ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def parse_size(text: str) -> int:
+    """Bytes of '2GB', '500MB', '64KB' or a plain number (powers of 1024)."""
+    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40, "B": 1}
+    upper = text.strip().upper().replace("IB", "B")
+    for unit, factor in units.items():
+        if upper.endswith(unit) and upper[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[: -len(unit)]) * factor)
+    if upper.isdigit():
+        return int(upper)
+    raise AscqError(f"size {text!r}: use a number of bytes or e.g. 500MB, 2GB")
+
+
+def format_summary(entry: Path) -> str:
+    manifest = read_manifest(entry)
+    conv, metrics = manifest["conversion"], manifest.get("metrics") or {}
+    size = sum(f["size"] for f in manifest["files"].values())
+    lines = [
+        f"wrote {entry} ({manifest['scheme']}, {size / 2**20:.1f} MiB, {len(manifest['files'])} files)",
+        f"time {conv['seconds']:.1f} s, peak RSS {conv['peak_rss_bytes'] / 2**30:.2f} GiB, "
+        f"{conv['num_quantized_linears']} linears quantized",
+    ]
+    if metrics.get("perplexity"):
+        delta = 100 * (metrics["perplexity"] / metrics["perplexity_base"] - 1)
+        lines.append(f"perplexity {metrics['perplexity_base']:.3f} -> {metrics['perplexity']:.3f} ({delta:+.2f}%)")
+    if conv["group_size_fallbacks"]:
+        lines.append(f"{len(conv['group_size_fallbacks'])} linears fell back to per-channel (see ascq.json)")
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""GPTQ (Frantar et al., ICLR 2023): quantize a weight column by column, correcting the remaining columns.
+
+H = 2/n · Σ x xᵀ over the calibration inputs of the linear. With damping λ = 0.01 · mean diag(H), the upper
+Cholesky factor U of (H + λI)⁻¹ gives each column's error feedback: quantize column i, spread its error
+(w_i - q_i) / U_ii · U_i,i+1: over the not-yet-quantized columns, lazily in blocks of 128 columns.
+
+Group parameters (scale, zero point) come from `qparams(weight_slice) -> (scale [out, 1], zero [out, 1])` of the
+recipe's scheme, computed when the first column of a group is reached (on the already-updated weights). With
+`actorder` ("static" in llm-compressor/compressed-tensors terms, a.k.a. "weight"), columns are visited in
+decreasing diag(H) order while the groups stay the contiguous original ones, so their parameters are computed up
+front from the original weights and the checkpoint format needs no g_idx.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+QParams = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class CholeskyError(RuntimeError):
+    """H + λI was not positive definite: the caller falls back to round-to-nearest."""
+
+
+@dataclasses.dataclass
+class GPTQConfig:
+    num_bits: int = 4
+    group_size: int | None = 128  # None: one group per row (per-channel)
+    block_size: int = 128
+    dampening_frac: float = 0.01
+    actorder: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("GPTQ: block_size must be >= 1")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError("GPTQ: group_size must be >= 1 or None")
+        if not 0.0 < self.dampening_frac < 1.0:
+            raise ValueError("GPTQ: dampening_frac must be in (0, 1)")
+
+
+class HessianAccumulator:
+    """Running H = 2/n Σ x xᵀ over batches of a linear's inputs, in float32."""
+
+    def __init__(self, in_features: int) -> None:
+        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32)
+        self.num_tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        n = x.shape[0]
+        if n == 0:
+            return
+        total = self.num_tokens + n
+        self.hessian *= self.num_tokens / total
+        x = x * (2.0 / total) ** 0.5
+        self.hessian += x.t() @ x
+        self.num_tokens = total
+
+
+def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, q_min: int, q_max: int) -> torch.Tensor:
+    q = torch.clamp(torch.round(w / scale) + zero, q_min, q_max)
+    return (q - zero) * scale
+
+
+def _inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> torch.Tensor:
+    h = hessian.clone()
+    damp = dampening_frac * torch.mean(torch.diag(h))
+    h.diagonal().add_(damp)
+    factor, info = torch.linalg.cholesky_ex(h)
+    if info.item() != 0:
+        raise CholeskyError("H + damping is not positive definite")
+    h_inv = torch.cholesky_inverse(factor)
+    upper, info = torch.linalg.cholesky_ex(h_inv, upper=True)
+    if info.item() != 0 or not torch.isfinite(upper).all():
+        raise CholeskyError("inverse Hessian is not positive definite")
+    return upper
+
+
+@torch.no_grad()
+def gptq_quantize(
+    weight: torch.Tensor, hessian: torch.Tensor, qparams: QParams, q_range: tuple[int, int], config: GPTQConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ-quantize `weight` [out, in]; returns (dequantized weight, scale [out, groups], zero [out, groups]).
+
+    `q_range` is the integer range (e.g. (-8, 7)). Raises CholeskyError when H cannot be factorised.
+    """
+    w = weight.float().clone()
+    out_dim, in_dim = w.shape
+    group = config.group_size or in_dim
+    if in_dim % group:
+        raise ValueError(f"GPTQ: in_features {in_dim} is not a multiple of group_size {group}")
+    num_groups = in_dim // group
+    h = hessian.float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+
+    scales = torch.zeros(out_dim, num_groups)
+    zeros = torch.zeros(out_dim, num_groups)
+    perm = torch.arange(in_dim)
+    if config.actorder:
+        for g in range(num_groups):  # static groups: parameters of the original weights
+            scales[:, g : g + 1], zeros[:, g : g + 1] = qparams(w[:, g * group : (g + 1) * group])
+        perm = torch.argsort(torch.diag(h), descending=True)
+        w, h = w[:, perm], h[perm][:, perm]
+    u = _inverse_hessian_factor(h, config.dampening_frac)
+    q_min, q_max = q_range
+
+    for start in range(0, in_dim, config.block_size):
+        end = min(start + config.block_size, in_dim)
+        w_block = w[:, start:end].clone()
+        q_block = torch.zeros_like(w_block)
+        err_block = torch.zeros_like(w_block)
+        u_block = u[start:end, start:end]
+        for i in range(end - start):
+            col = start + i
+            g = int(perm[col]) // group
+            if not config.actorder and col % group == 0:  # the group's columns as updated so far
+                upcoming = torch.cat([w_block[:, i:], w[:, end:]], dim=1)[:, :group]
+                scales[:, g : g + 1], zeros[:, g : g + 1] = qparams(upcoming)
+            column = w_block[:, i]
+            q = _quantize_column(column, scales[:, g], zeros[:, g], q_min, q_max)
+            q_block[:, i] = q
+            err = (column - q) / u_block[i, i]
+            w_block[:, i:] -= err[:, None] * u_block[i, i:][None, :]
+            err_block[:, i] = err
+        w[:, start:end] = q_block
+        w[:, end:] -= err_block @ u[start:end, end:]
+
+    if config.actorder:
+        w = w[:, torch.argsort(perm)]
+    return w, scales, zeros

@@ -1,0 +1,155 @@
+"""`GPTQModifier`: GPTQ for every target linear of a decoder layer (it owns the weight scheme it declares).
+
+Hessians come from the calibration inputs each linear sees in this layer (routed tokens for experts; experts with
+fewer than `min_expert_tokens` routed tokens use all tokens passed through them densely, see `moe_coverage`).
+A layer whose H cannot be factorised falls back to round-to-nearest with a warning naming it.
+
+Recipe (llm-compressor's shape):
+`GPTQModifier: {scheme: W4A16_ASYM, ignore: [...], block_size: 128, dampening_frac: 0.01, actorder: static}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+
+from ascq.quantize import qmath
+from ascq.quantize.gptq import CholeskyError, GPTQConfig, HessianAccumulator, gptq_quantize
+from ascq.quantize.input_capture import InputCapture
+from ascq.quantize.layer_context import LayerContext
+from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
+from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, ExpertCoverage, dense_mlp_inputs
+from ascq.quantize.schemes import RecipeError, RecipeScheme, parse_recipe_scheme
+
+log = logging.getLogger(__name__)
+ARGS = {
+    "targets": list,
+    "ignore": list,
+    "scheme": str,
+    "config_groups": dict,
+    "block_size": int,
+    "dampening_frac": (float, int),
+    "actorder": (str, bool),
+    "min_expert_tokens": int,
+}
+# "static" (a.k.a. "weight") keeps contiguous groups; "group"/"dynamic" would need a g_idx in the checkpoint
+ACTORDER = {None: False, False: False, "static": True, "weight": True}
+
+
+class GPTQModifier(Modifier):
+    name = "GPTQModifier"
+
+    def __init__(self, scheme: RecipeScheme, block_size: int, dampening_frac: float, actorder: bool, min_expert_tokens: int) -> None:
+        if min_expert_tokens < 0:
+            raise RecipeError(f"{self.name}: min_expert_tokens must be >= 0")
+        self.scheme = scheme
+        self.block_size = block_size
+        self.dampening_frac = dampening_frac
+        self.actorder = actorder
+        self.min_expert_tokens = min_expert_tokens
+        self.num_quantized = 0
+        self.fallbacks: list[str] = []
+        self.coverage: dict[str, Any] = {}
+        self._config(None)  # validate
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> GPTQModifier:
+        args = check_args(cls.name, args, ARGS)
+        scheme = parse_recipe_scheme(cls.name, args)
+        if scheme is None or not scheme.config_groups:
+            raise RecipeError(f"{cls.name}: needs a scheme or config_groups")
+        actorder = args.get("actorder")
+        if actorder not in ACTORDER:
+            raise RecipeError(f"{cls.name}: actorder must be static (or weight) or null, got {actorder!r}")
+        return cls(
+            scheme,
+            args.get("block_size", 128),
+            float(args.get("dampening_frac", 0.01)),
+            ACTORDER[actorder],
+            args.get("min_expert_tokens", DEFAULT_MIN_TOKENS),
+        )
+
+    def quant_scheme(self) -> RecipeScheme:
+        return self.scheme
+
+    def _config(self, args: QuantizationArgs | None) -> GPTQConfig:
+        group = args.group_size if args is not None and args.strategy == "group" else None
+        try:
+            return GPTQConfig(
+                num_bits=args.num_bits if args is not None else 4,
+                group_size=group,
+                block_size=self.block_size,
+                dampening_frac=self.dampening_frac,
+                actorder=self.actorder,
+            )
+        except ValueError as exc:
+            raise RecipeError(f"{self.name}: {exc}") from None
+
+    @torch.no_grad()
+    def process_layer(self, ctx: LayerContext) -> None:
+        owned = [n for n, t in ctx.targets.items() if t.owner is self.scheme and n not in ctx.results]
+        if not owned:
+            return
+        hessians = {n: HessianAccumulator(ctx.module(n).weight.shape[1]) for n in owned}
+        experts = ctx.arch.expert_names(ctx.layer)
+        capture = ["mlp"] if experts else []
+        with InputCapture(ctx.layer, [*owned, *capture], {n: h.add for n, h in hessians.items()}) as cap:
+            ctx.run()
+        if experts:
+            counts = {e: hessians[f"{e}.up_proj"].num_tokens if f"{e}.up_proj" in hessians else 0 for e in experts}
+            coverage = ExpertCoverage(self.min_expert_tokens, counts)
+            for expert in experts:
+                if coverage.needs_dense(expert):
+                    self._dense_hessians(ctx, expert, cap.inputs("mlp"), hessians)
+            ctx.report["expert_coverage"] = coverage.report()
+            self.coverage.update({f"{ctx.prefix}{k}": v for k, v in coverage.report().items()})
+        for name in owned:
+            ctx.results[name] = self._quantize(ctx, name, hessians[name].hessian)
+            self.num_quantized += 1
+
+    def _dense_hessians(self, ctx: LayerContext, expert: str, block_inputs: list[torch.Tensor], hessians: dict) -> None:
+        for proj, inputs in dense_mlp_inputs(ctx.module(expert), block_inputs).items():
+            name = f"{expert}.{proj}"
+            if name in hessians:
+                hessians[name] = HessianAccumulator(ctx.module(name).weight.shape[1])
+                for x in inputs:
+                    hessians[name].add(x)
+
+    def _quantize(self, ctx: LayerContext, name: str, hessian: torch.Tensor) -> QuantizedLinear:
+        args = ctx.targets[name].weights
+        weight = ctx.module(name).weight
+        try:
+            deq, scale, zero = gptq_quantize(weight, hessian, _qparams(args, ctx.scale_dtype), qmath.int_range(args.num_bits), self._config(args))
+        except CholeskyError as exc:
+            message = f"GPTQ: {ctx.prefix}{name}: {exc}; falling back to round-to-nearest for this layer"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            log.warning(message)
+            self.fallbacks.append(f"{ctx.prefix}{name}")
+            ctx.report.setdefault("gptq_rtn_fallback", []).append(name)
+            q, scale, zero_point = qmath.quantize_weight(weight, args, ctx.scale_dtype)
+            return QuantizedLinear(q, scale, zero_point)
+        scale = scale.to(ctx.scale_dtype)
+        zero_point = None if args.symmetric else zero.to(torch.int8)
+        q = qmath.quantize_with_qparams(deq, scale, zero_point, args)
+        return QuantizedLinear(q, scale, zero_point)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"num_quantized_linears": self.num_quantized, "actorder": "static" if self.actorder else None}
+        out["rtn_fallbacks"] = self.fallbacks
+        if self.coverage:
+            out["expert_coverage"] = self.coverage
+        return out
+
+
+def _qparams(args: QuantizationArgs, scale_dtype: torch.dtype):
+    """Per-row (scale, zero) of a weight slice, rounded to the checkpoint's scale dtype as the writer will."""
+
+    def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, zero = qmath.compute_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args.num_bits, args.symmetric, scale_dtype)
+        return scale.float(), zero.float()
+
+    return qparams

@@ -1,0 +1,70 @@
+"""`LayerContext`: everything a modifier sees while one decoder layer is being converted."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ascq.quantize.architectures import Architecture, KVHook
+from ascq.quantize.modifier import QuantizedLinear
+from ascq.quantize.schemes import LinearTarget
+
+# hook(module, args, output), registered as a forward hook for one `run`
+Hook = Callable[[nn.Module, tuple, Any], None]
+
+
+@dataclasses.dataclass
+class LayerContext:
+    index: int
+    prefix: str
+    arch: Architecture
+    layer: nn.Module
+    inputs: list[torch.Tensor]  # calibration hidden states, fp32 [batch, seq, hidden] chunks
+    targets: dict[str, LinearTarget]
+    scale_dtype: torch.dtype
+    results: dict[str, QuantizedLinear] = dataclasses.field(default_factory=dict)
+    extra_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    report: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def module(self, name: str) -> nn.Module:
+        return self.layer.get_submodule(name)
+
+    def position_ids(self, seq_len: int) -> torch.Tensor:
+        return torch.arange(seq_len, device=self.inputs[0].device)[None]
+
+    @torch.no_grad()
+    def run(self, hooks: dict[str, Hook] | None = None, kv_hook: KVHook | None = None) -> list[torch.Tensor]:
+        """Forward every calibration sample through the layer; `hooks` are active for this call only."""
+        with registered_hooks(self.layer, hooks or {}):
+            return [
+                self.arch.forward_layer(self.layer, x, self.position_ids(x.shape[1]), kv_hook=kv_hook) for x in self.inputs
+            ]
+
+    def input_absmax(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Per-input-channel max |x| over all calibration tokens at each named module's input."""
+        maxima: dict[str, torch.Tensor] = {}
+
+        def observe(name: str) -> Hook:
+            def hook(module: nn.Module, args: tuple, output: Any) -> None:
+                channel_max = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0).float()
+                maxima[name] = torch.maximum(maxima[name], channel_max) if name in maxima else channel_max
+
+            return hook
+
+        self.run({name: observe(name) for name in names})
+        return maxima
+
+
+@contextlib.contextmanager
+def registered_hooks(layer: nn.Module, hooks: dict[str, Hook]) -> Iterator[None]:
+    handles = [layer.get_submodule(name).register_forward_hook(hook) for name, hook in hooks.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,149 @@
+"""Integer and fp8 quantization math, as pure functions, in compressed-tensors' convention.
+
+Signed integers (int4 in [-8, 7], int8 in [-128, 127]), `q = clamp(round(x / scale + zero_point))`,
+`x ≈ (q - zero_point) * scale`. Scales are computed as compressed-tensors' `calculate_qparams` does (0 is always
+representable; symmetric `scale = absmax / ((qmax - qmin) / 2)`, asymmetric `scale = (max - min) / (qmax - qmin)`,
+`zero_point = round(qmin - min / scale)`), then rounded to the checkpoint's scale dtype before use, so the values
+written are exactly the values the chosen scale produces.
+"""
+
+from __future__ import annotations
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+def int_range(num_bits: int) -> tuple[int, int]:
+    return -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
+
+
+def compute_qparams(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    num_bits: int,
+    symmetric: bool,
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale in `scale_dtype`, zero_point int8) of the same shape as `min_vals`."""
+    qmin, qmax = int_range(num_bits)
+    min_vals = torch.clamp(min_vals.float(), max=0.0)
+    max_vals = torch.clamp(max_vals.float(), min=0.0)
+    if symmetric:
+        scale = torch.maximum(min_vals.abs(), max_vals) / ((qmax - qmin) / 2)
+        zero_point = torch.zeros_like(scale)
+    else:
+        scale = (max_vals - min_vals) / (qmax - qmin)
+        zero_point = torch.clamp(qmin - min_vals / scale, qmin, qmax)
+    scale = scale.to(scale_dtype)
+    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
+    zero_point = torch.round(torch.nan_to_num(zero_point)).to(torch.int8)
+    return scale, zero_point
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int) -> torch.Tensor:
+    """int8 tensor of signed `num_bits` values; scale/zero_point broadcast against `x` (fp32 math)."""
+    qmin, qmax = int_range(num_bits)
+    scaled = x.float() / scale.float()
+    if zero_point is not None:
+        scaled = scaled + zero_point.float()
+    return torch.round(torch.clamp(scaled, qmin, qmax)).to(torch.int8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 `(q - zero_point) * scale`."""
+    values = q.float()
+    if zero_point is not None:
+        values = values - zero_point.float()
+    return values * scale.float()
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int) -> torch.Tensor:
+    return dequantize(quantize(x, scale, zero_point, num_bits), scale, zero_point).to(x.dtype)
+
+
+def to_groups(w: torch.Tensor, strategy: str, group_size: int | None) -> torch.Tensor:
+    """View `w [out, in]` as `[out, num_groups, group_len]` for the strategy (tensor: one group, channel: one per row)."""
+    out_features, in_features = w.shape
+    if strategy == "tensor":
+        return w.reshape(1, 1, -1)
+    if strategy == "channel":
+        return w.reshape(out_features, 1, in_features)
+    if strategy == "group":
+        if not group_size or in_features % group_size:
+            raise ValueError(f"in_features {in_features} is not divisible by group_size {group_size}")
+        return w.reshape(out_features, in_features // group_size, group_size)
+    raise ValueError(f"unsupported weight strategy {strategy!r} (tensor, channel, group)")
+
+
+def from_groups(grouped: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return grouped.reshape(shape)
+
+
+def weight_qparams(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max (scale, zero_point) of a weight: shape [1], [out, 1] or [out, in // group_size]."""
+    grouped = to_groups(w.float(), str(args.strategy), args.group_size)
+    scale, zero_point = compute_qparams(grouped.amin(-1), grouped.amax(-1), args.num_bits, args.symmetric, scale_dtype)
+    if args.strategy == "tensor":
+        return scale.reshape(1), zero_point.reshape(1)
+    return scale, zero_point
+
+
+def quantize_with_qparams(
+    w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantizationArgs
+) -> torch.Tensor:
+    """int8 `[out, in]` values of `w` for per-tensor/channel/group `scale`/`zero_point`."""
+    grouped = to_groups(w, str(args.strategy), args.group_size)
+    zp = None if zero_point is None else zero_point.reshape(*scale.reshape(grouped.shape[0], -1).shape, 1)
+    q = quantize(grouped, scale.reshape(grouped.shape[0], -1, 1), zp, args.num_bits)
+    return from_groups(q, w.shape)
+
+
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantizationArgs
+) -> torch.Tensor:
+    grouped = to_groups(q, str(args.strategy), args.group_size)
+    scale = scale.reshape(grouped.shape[0], -1, 1)
+    zp = None if zero_point is None else zero_point.reshape(scale.shape)
+    return from_groups(dequantize(grouped, scale, zp), q.shape)
+
+
+def quantize_weight(
+    w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest: (q int8 [out, in], scale, zero_point or None when symmetric)."""
+    scale, zero_point = weight_qparams(w, args, scale_dtype)
+    zero_point = None if args.symmetric else zero_point
+    return quantize_with_qparams(w, scale, zero_point, args), scale, zero_point
+
+
+def fake_quantize_weight(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    q, scale, zero_point = quantize_weight(w, args, scale_dtype)
+    return dequantize_weight(q, scale, zero_point, args).to(w.dtype)
+
+
+def per_token_fake_quantize(x: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
+    """Dynamic symmetric per-token fake quantization over the last dim (what `int8 dynamic token` serving does)."""
+    absmax = x.float().abs().amax(dim=-1, keepdim=True)
+    scale, _ = compute_qparams(-absmax, absmax, num_bits, symmetric=True, scale_dtype=x.dtype)
+    return fake_quantize(x, scale, None, num_bits)
+
+
+def static_scale(absmax: float | torch.Tensor, num_bits: int, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Symmetric per-tensor scale `[1]` for a calibrated absolute maximum."""
+    absmax = torch.as_tensor(absmax, dtype=torch.float32).reshape(1)
+    return compute_qparams(-absmax, absmax, num_bits, symmetric=True, scale_dtype=scale_dtype)[0]
+
+
+def fp8_scale(absmax: float | torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Per-tensor e4m3 scale `[1]` mapping `absmax` to 448 (compressed-tensors' float8 symmetric convention)."""
+    absmax = torch.as_tensor(absmax, dtype=torch.float32).reshape(1)
+    scale = (absmax / FP8_E4M3_MAX).to(scale_dtype)
+    return torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
+
+
+def fp8_fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Round `x / scale` to float8 e4m3 (saturating) and back."""
+    scaled = torch.clamp(x.float() / scale.float(), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return (scaled.to(torch.float8_e4m3fn).float() * scale.float()).to(x.dtype)

@@ -1,0 +1,127 @@
+"""ascq's own dequantized reference forward of a compressed-tensors checkpoint (and of the converter's layers).
+
+Weights: unpacked with compressed-tensors' `unpack_from_int32` (the byte layout of the pinned version) and
+dequantized with `qmath`. Activations: fake-quantized at each quantized linear's input as the scheme says (dynamic
+symmetric per token, or the static per-tensor `input_scale`). FP8 KV: post-RoPE keys/values fake-quantized to e4m3
+with `k_scale`/`v_scale`. Everything in fp32, one decoder layer in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ascq.errors import AscqError
+from ascq.quantize import qmath
+from ascq.quantize.architectures import KVHook, architecture_from_config
+from ascq.quantize.checkpoint import CheckpointReader
+from ascq.quantize.modifier import QuantizedLinear
+from ascq.quantize.schemes import LinearTarget, RecipeScheme, resolve_target
+
+
+def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None):
+    def hook(module: nn.Module, inputs: tuple) -> tuple:
+        x = inputs[0]
+        if args.dynamic:
+            x = qmath.per_token_fake_quantize(x, args.num_bits)
+        else:
+            x = qmath.fake_quantize(x, input_scale.to(x.device), None, args.num_bits)
+        return (x, *inputs[1:])
+
+    return hook
+
+
+def install_quantized(
+    layer: nn.Module, quantized: dict[str, tuple[LinearTarget, QuantizedLinear]]
+) -> list[RemovableHandle]:
+    """Replace each linear's weight by its dequantized value and fake-quantize its input; returns the hook handles."""
+    handles = []
+    for name, (target, ql) in quantized.items():
+        linear = layer.get_submodule(name)
+        weight = qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, target.weights)
+        linear.weight.data = weight.to(linear.weight.device, linear.weight.dtype)
+        if target.input_activations is not None:
+            handles.append(linear.register_forward_pre_hook(activation_pre_hook(target.input_activations, ql.input_scale)))
+    return handles
+
+
+def fp8_kv_hook(k_scale: torch.Tensor, v_scale: torch.Tensor) -> KVHook:
+    def hook(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return qmath.fp8_fake_quantize(key, k_scale.to(key.device)), qmath.fp8_fake_quantize(value, v_scale.to(value.device))
+
+    return hook
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class QuantizedCheckpoint:
+    """A compressed-tensors checkpoint folder read one layer at a time."""
+
+    def __init__(self, entry_dir: Path) -> None:
+        self.entry_dir = Path(entry_dir)
+        config = json.loads((self.entry_dir / "config.json").read_text())
+        if "quantization_config" not in config:
+            raise AscqError(f"{entry_dir}: config.json has no quantization_config")
+        self.qconfig = QuantizationConfig.model_validate(config["quantization_config"])
+        self.scheme = RecipeScheme("checkpoint", dict(self.qconfig.config_groups), list(self.qconfig.ignore or []))
+        self.arch = architecture_from_config({k: v for k, v in config.items() if k != "quantization_config"})
+        self.reader = CheckpointReader(self.entry_dir)
+
+    def layer(self, index: int, device: str = "cpu") -> tuple[nn.Module, dict[str, tuple[LinearTarget, QuantizedLinear]], KVHook | None]:
+        prefix = self.arch.layer_prefix(index)
+        raw = self.reader.get_prefix(prefix)
+        with torch.device("meta"):
+            skeleton = self.arch.new_layer(index)
+        state, quantized = {}, {}
+        for name, module in skeleton.named_modules():
+            target = resolve_target(prefix + name, module, [self.scheme]) if isinstance(module, nn.Linear) else None
+            if target is not None:
+                quantized[name] = (target, self._quantized_linear(raw, name, target))
+                state[f"{name}.weight"] = torch.empty(module.weight.shape)
+        k_scale, v_scale = raw.pop("self_attn.k_scale", None), raw.pop("self_attn.v_scale", None)
+        for key, tensor in raw.items():
+            if not key.rsplit(".", 1)[-1].startswith(("weight_", "input_")):
+                state[key] = tensor.float()
+        layer = self.arch.build_layer(index, state).to(device)
+        install_quantized(layer, quantized)
+        kv_hook = fp8_kv_hook(k_scale, v_scale) if k_scale is not None and self.qconfig.kv_cache_scheme else None
+        return layer, quantized, kv_hook
+
+    def _quantized_linear(self, raw: dict[str, torch.Tensor], name: str, target: LinearTarget) -> QuantizedLinear:
+        args = target.weights
+        scale = raw[f"{name}.weight_scale"]
+        if f"{name}.weight_packed" in raw:
+            shape = torch.Size(raw[f"{name}.weight_shape"].tolist())
+            q = unpack_from_int32(raw[f"{name}.weight_packed"], args.num_bits, shape)
+            zero_point = raw.get(f"{name}.weight_zero_point")
+            if zero_point is not None:
+                zero_point = unpack_from_int32(zero_point, args.num_bits, (shape[0], scale.shape[-1]), packed_dim=0)
+        else:
+            q, zero_point = raw[f"{name}.weight"], raw.get(f"{name}.weight_zero_point")
+        return QuantizedLinear(q.to(torch.int8), scale, zero_point, raw.get(f"{name}.input_scale"))
+
+
+@torch.no_grad()
+def reference_logits(entry_dir: str | Path, input_ids: torch.Tensor, device: str = "cpu") -> torch.Tensor:
+    """fp32 logits [batch, seq, vocab] of a converted entry for `input_ids` [batch, seq]."""
+    ckpt = QuantizedCheckpoint(Path(entry_dir))
+    arch, reader = ckpt.arch, ckpt.reader
+    input_ids = input_ids.to(device)
+    hidden = reader.get("model.embed_tokens.weight").float().to(device)[input_ids]
+    position_ids = torch.arange(input_ids.shape[1], device=device)[None]
+    for index in range(arch.num_layers):
+        layer, _, kv_hook = ckpt.layer(index, device)
+        hidden = arch.forward_layer(layer, hidden, position_ids, kv_hook=kv_hook)
+        del layer
+    hidden = rms_norm(hidden, reader.get("model.norm.weight").to(device), arch.rms_norm_eps)
+    head = "model.embed_tokens.weight" if arch.tie_word_embeddings and "lm_head.weight" not in reader else "lm_head.weight"
+    return hidden @ reader.get(head).float().to(device).T

@@ -1,0 +1,65 @@
+"""Synthetic checkpoints with real tensor names and shapes and random weights, for streaming tests and benchmarks.
+
+Written tensor by tensor into shards (never a whole model in memory), with a byte-level tokenizer, so
+`ascq convert` runs on them exactly as on a downloaded checkpoint. Not a model: the weights are noise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ascq.quantize.architectures import architecture_from_config
+from ascq.quantize.ct_writer import ShardWriter
+
+EOS = "<|endoftext|>"
+
+def write_byte_tokenizer(out_dir: Path) -> None:
+    """A byte-level BPE tokenizer with no merges (257 tokens: 256 bytes + `<|endoftext|>` = id 256)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(ByteLevel.alphabet())}
+    vocab = {token: i for i, token in enumerate(sorted(vocab))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([EOS])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS).save_pretrained(out_dir)
+
+
+def _meta_shapes(config: dict[str, Any]) -> dict[str, torch.Size]:
+    arch = architecture_from_config(config)
+    shapes = {"model.embed_tokens.weight": torch.Size([config["vocab_size"], config["hidden_size"]])}
+    for index in range(arch.num_layers):
+        with torch.device("meta"):
+            layer = arch.new_layer(index)
+        shapes.update({arch.layer_prefix(index) + k: v.shape for k, v in layer.state_dict().items()})
+    shapes["model.norm.weight"] = torch.Size([config["hidden_size"]])
+    if not config.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = torch.Size([config["vocab_size"], config["hidden_size"]])
+    return shapes
+
+
+def write_synthetic_checkpoint(
+    out_dir: Path, config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 30
+) -> int:
+    """Write config.json, tokenizer and random-weight shards; returns the checkpoint's size in bytes."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_byte_tokenizer(out_dir)
+    generator = torch.Generator().manual_seed(seed)
+    writer = ShardWriter(out_dir, max_shard_bytes)
+    for name, shape in _meta_shapes(config).items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(shape, dtype=dtype)
+        else:
+            tensor = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+        writer.add(name, tensor)
+    writer.finish()
+    return sum(p.stat().st_size for p in out_dir.glob("*.safetensors"))

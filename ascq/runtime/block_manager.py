@@ -1,0 +1,112 @@
+"""KV-cache block allocation with automatic prefix caching (vLLM v1's design).
+
+Every full block of a request gets a hash chained over the previous block's hash and its token ids; a computed
+full block is registered under that hash and can be shared (reference counted) by any later request whose tokens
+hash the same. Freed blocks keep their hash and join the free queue at the tail; allocation takes from the head,
+so cached blocks are evicted least-recently-freed first. A request's last prompt token is always recomputed, so a
+hit never covers the whole prompt (the model must produce logits for it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ascq.runtime.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached_blocks: dict[int, int] = {}  # hash -> block id
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _hash_blocks(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))))
+        return hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """The longest run of cached blocks matching the request's leading full blocks (never its last token)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for block_hash in self._hash_blocks(request, (request.num_tokens - 1) // self.block_size):
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after `computed_blocks`); False if short."""
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens) - len(request.block_table) - len(computed_blocks)
+        num_reused_free = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
+        if num_new_blocks + num_reused_free > self.num_free_blocks:
+            return False
+        for block_id in computed_blocks:
+            if self.ref_counts[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_counts[block_id] += 1
+            request.block_table.append(block_id)
+        for _ in range(max(num_new_blocks, 0)):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            request.block_table.append(block_id)
+        return True
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            if self.cached_blocks.get(block_hash) == block_id:
+                del self.cached_blocks[block_hash]
+            self.block_hash[block_id] = None
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's computed full blocks so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = self._hash_blocks(request, num_full)
+        for i in range(request.num_registered_blocks, num_full):
+            block_id, block_hash = request.block_table[i], hashes[i]
+            if self.block_hash[block_id] is None and block_hash not in self.cached_blocks:
+                self.block_hash[block_id] = block_hash
+                self.cached_blocks[block_hash] = block_id
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; tail blocks are freed first so they are evicted first."""
+        for block_id in reversed(request.block_table):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_queue[block_id] = None
+        request.block_table = []
+        request.num_registered_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in range(self.num_blocks):
+            self.block_hash[block_id] = None
+        self.cached_blocks.clear()

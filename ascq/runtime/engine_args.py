@@ -1,0 +1,95 @@
+"""Engine settings with vLLM's argument names, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ascq.errors import AscqError, UnsupportedError
+
+DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+DEVICES = ("cpu", "reference", "cuda", "npu")
+DEFAULT_KV_CACHE_FRACTION = 0.1  # of available host memory when kv_cache_memory is not given
+MAX_DEFAULT_KV_CACHE_BYTES = 4 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str | Path
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True
+    seed: int = 0
+    tokenizer: str | Path | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        if not (self.model / "config.json").is_file():
+            raise AscqError(f"{self.model} is not a model folder (no config.json)")
+        if self.device.split(":")[0] not in DEVICES:
+            raise UnsupportedError(f"unknown device {self.device!r}; supported: {', '.join(DEVICES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise UnsupportedError(f"unknown dtype {self.dtype!r}; supported: auto, {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UnsupportedError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, fp8")
+        positive = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                    "block_size": self.block_size}
+        for name, value in positive.items():
+            if value < 1:
+                raise AscqError(f"{name} must be positive, got {value}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise AscqError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise AscqError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise AscqError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The torch device tensors live on; the `reference` backend runs on the CPU."""
+        from ascq.kernels import torch_device
+
+        return torch_device(self.device)
+
+    def resolve_dtype(self, config: dict[str, Any]) -> torch.dtype:
+        """Compute dtype: explicit, else fp32 on the CPU (fastest GEMMs there) and the checkpoint's dtype elsewhere."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
+
+    def resolve_max_model_len(self, config: dict[str, Any]) -> int:
+        limit = int(config.get("max_position_embeddings", 2048))
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise AscqError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        return self.max_model_len
+
+    def resolve_kv_cache_memory(self) -> int:
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if self.torch_device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.torch_device)
+            return int(free * 0.8)
+        import psutil
+
+        return min(int(psutil.virtual_memory().available * DEFAULT_KV_CACHE_FRACTION), MAX_DEFAULT_KV_CACHE_BYTES)

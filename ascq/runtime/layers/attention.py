@@ -1,0 +1,48 @@
+"""Attention over the paged KV cache: write this step's keys/values, then attend through the kernel backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout shared by every attention layer (see the kernel interface)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = head_dim**-0.5
+        self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale = self.v_scale = 1.0  # fp8 cache: stored value = x / scale
+        self.has_checkpoint_kv_scales = False
+        self.backend: ModuleType | None = None
+
+    def weight_loader(self, param_name: str, tensor: torch.Tensor) -> None:
+        setattr(self, param_name, float(tensor.float().reshape(-1)[0]))
+        self.has_checkpoint_kv_scales = True
+
+    def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
+        self.backend = backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+        self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = self.backend.paged_attention(
+            q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            self.scale, self.k_scale, self.v_scale,
+        )
+        return out.reshape(out.shape[0], -1)

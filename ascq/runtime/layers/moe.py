@@ -1,0 +1,64 @@
+"""Routed experts: softmax top-k router + the backend's expert kernel; experts are assigned to ranks.
+
+Expert e lives on rank e * world // num_experts (contiguous ranges, as vLLM's expert parallelism). Tokens routed to
+another rank's experts get weight 0 here and their contribution arrives through the all-reduce.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from ascq.errors import AscqError
+from ascq.runtime.layers.linear import build_quant_weights
+from ascq.runtime.parallel import all_reduce, divide, tp_rank, tp_world_size
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.tp_size = tp_world_size()
+        self.num_local_experts = divide(num_experts, self.tp_size)
+        self.first_expert = tp_rank() * self.num_local_experts
+        self.pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self.schemes: dict[tuple[int, str], str] = {}
+        self.prepared = None
+        self.backend: ModuleType | None = None
+
+    def is_local(self, expert_id: int) -> bool:
+        return self.first_expert <= expert_id < self.first_expert + self.num_local_experts
+
+    def weight_loader(self, param_name: str, tensor: torch.Tensor, expert_id: int, projection: str, scheme: str) -> None:
+        if projection not in PROJECTIONS or not 0 <= expert_id < self.num_experts:
+            raise AscqError(f"unexpected expert weight: expert {expert_id} {projection}")
+        if self.is_local(expert_id):
+            self.pending.setdefault((expert_id, projection), {})[param_name] = tensor
+            self.schemes[(expert_id, projection)] = scheme
+
+    def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
+        local = range(self.first_expert, self.first_expert + self.num_local_experts)
+        missing = [f"{e}.{p}" for e in local for p in PROJECTIONS if "weight" not in self.pending.get((e, p), {})]
+        if missing:
+            raise AscqError(f"checkpoint is missing expert weights: {', '.join(missing[:4])}")
+        gate, up, down = (
+            [build_quant_weights(self.pending[(e, p)], self.schemes[(e, p)]) for e in local] for p in PROJECTIONS
+        )
+        self.backend = backend
+        self.prepared = backend.prepare_experts(gate, up, down, dtype)
+        self.pending = {}
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.backend.select_experts(router_logits, self.top_k, self.renormalize)
+        if self.tp_size == 1:
+            return self.backend.moe_experts(x, topk_weights, topk_ids, self.prepared)
+        local_ids = topk_ids - self.first_expert
+        mine = (local_ids >= 0) & (local_ids < self.num_local_experts)
+        topk_weights, topk_ids = topk_weights * mine, local_ids.clamp(0, self.num_local_experts - 1)
+        return all_reduce(self.backend.moe_experts(x, topk_weights, topk_ids, self.prepared))

@@ -1,0 +1,31 @@
+"""RMSNorm computed in fp32, with the residual add fused in (returns the new residual too)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ascq.runtime.layers.loadable import assign_parameter
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def weight_loader(self, param_name: str, tensor: torch.Tensor) -> None:
+        assign_parameter(self, param_name, tensor)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual

@@ -1,0 +1,62 @@
+"""Builds one step's flat batch (tokens, positions, slot mapping, block tables) and runs the model on it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ascq.runtime.layers.attention import AttentionMetadata
+from ascq.runtime.request import Request
+from ascq.runtime.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Inputs for the scheduled chunks, plus the flat row of each request's last scheduled token."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        bs = self.block_size
+        for request, num_new in zip(out.requests, out.num_scheduled_tokens, strict=True):
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            input_ids.extend(request.token_ids[start:end])
+            span = range(start, end)
+            positions.extend(span)
+            table = request.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(end)
+        max_blocks = max(len(r.block_table) for r in out.requests)
+        block_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in out.requests]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(block_tables, torch.int32),
+            query_start_loc=tensor(query_start_loc, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+        )
+        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, [q - 1 for q in query_start_loc[1:]]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
+        """fp32 logits [R, vocab] for the requests whose scheduled chunk reaches their last token."""
+        input_ids, positions, meta, last_rows = self.prepare(out)
+        hidden = self.model(input_ids, positions, meta)
+        sampling = [
+            (row, request) for row, request, num_new in zip(last_rows, out.requests, out.num_scheduled_tokens, strict=True)
+            if request.num_computed_tokens + num_new == request.num_tokens
+        ]
+        if not sampling:
+            return hidden.new_empty((0, 0), dtype=torch.float32), []
+        rows = torch.tensor([row for row, _ in sampling], device=hidden.device)
+        return self.model.compute_logits(hidden[rows]), [request for _, request in sampling]

@@ -1,0 +1,31 @@
+"""Model classes by the `architectures` entry of config.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ascq.errors import UnsupportedError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "DeepseekForCausalLM": "deepseek",
+}
+
+
+def model_class_for(config: dict[str, Any]) -> type[nn.Module]:
+    archs = config.get("architectures") or []
+    family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if family is None:
+        supported = ", ".join(ARCHITECTURES)
+        raise UnsupportedError(f"model architecture {archs or config.get('model_type')} is not supported; supported: {supported}")
+    if family == "deepseek":
+        from ascq.runtime.models.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM
+    from ascq.runtime.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM

@@ -1,0 +1,147 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias): GQA, tied or untied embeddings, rope scaling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ascq.errors import UnsupportedError
+from ascq.runtime.layers.attention import Attention, AttentionMetadata
+from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ascq.runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from ascq.runtime.layers.rmsnorm import RMSNorm
+from ascq.runtime.layers.rotary import RotaryEmbedding
+from ascq.runtime.models.weights import load_named_weights
+from ascq.runtime.parallel import divide, tp_world_size
+
+
+def head_dim_of(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: dict[str, Any], qkv_bias: bool) -> None:
+        super().__init__()
+        world = tp_world_size()
+        num_heads = config["num_attention_heads"]
+        num_kv_heads = config.get("num_key_value_heads") or num_heads
+        self.head_dim = head_dim_of(config)
+        self.num_heads = divide(num_heads, world)
+        self.num_kv_heads = divide(num_kv_heads, world)
+        hidden = config["hidden_size"]
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=bool(config.get("attention_bias")))
+        max_position = config.get("max_position_embeddings", 2048)
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block; `mlp` is any module mapping [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, config: dict[str, Any], mlp: nn.Module, qkv_bias: bool) -> None:
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(config, qkv_bias)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: dict[str, Any], make_layer: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head; `forward` returns final hidden states, `compute_logits` fp32 logits for chosen rows."""
+
+    def __init__(self, config: dict[str, Any], make_layer: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        self.model = DecoderModel(config, make_layer)
+        self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], scheme_for: Callable[[str], str]) -> None:
+        def with_tied_head() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name == "lm_head.weight" and self.tie_word_embeddings:
+                    continue
+                yield name, tensor
+                if name == "model.embed_tokens.weight" and self.tie_word_embeddings:
+                    yield "lm_head.weight", tensor
+
+        load_named_weights(self, with_tied_head(), scheme_for)
+
+
+def check_llama_config(config: dict[str, Any]) -> None:
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
+    if config.get("sliding_window") and config.get("use_sliding_window", True) and config.get("model_type") == "mistral":
+        if config["sliding_window"] < config.get("max_position_embeddings", 0):
+            raise UnsupportedError("sliding-window attention is not supported; set max_model_len <= sliding_window")
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: dict[str, Any]) -> None:
+        check_llama_config(config)
+        qkv_bias = config.get("model_type") == "qwen2" or bool(config.get("attention_bias"))
+        mlp_bias = bool(config.get("mlp_bias"))
+
+        def make_layer(i: int) -> nn.Module:
+            mlp = LlamaMLP(config["hidden_size"], config["intermediate_size"], bias=mlp_bias)
+            return DecoderLayer(config, mlp, qkv_bias)
+
+        super().__init__(config, make_layer)

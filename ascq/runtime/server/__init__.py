@@ -1,0 +1,1 @@
+"""`ascq serve`: the OpenAI-compatible HTTP server on the runtime engine (see docs/ARCHITECTURE.md)."""

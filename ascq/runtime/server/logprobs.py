@@ -1,0 +1,62 @@
+"""Engine logprobs (one `{token_id: logprob}` per generated token, sampled token plus top-n) in OpenAI's shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ascq.runtime.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+
+MISSING_LOGPROB = -9999.0  # vLLM's stand-in when the sampled token's logprob is not known
+
+
+class LogprobFormatter:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def completion(self, token_ids: list[int], steps: list[dict[int, float]] | None, top_n: int | None,
+                   text_offset: int) -> CompletionLogprobs | None:
+        """/v1/completions `logprobs`: token strings, their logprobs, top-n dicts and character offsets."""
+        if top_n is None:
+            return None
+        result = CompletionLogprobs()
+        for token_id, step in zip(token_ids, _padded(steps, len(token_ids)), strict=True):
+            text = self._text(token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(step.get(token_id) if step else None)
+            result.top_logprobs.append(self._top_dict(step, top_n) if step else None)
+            result.text_offset.append(text_offset)
+            text_offset += len(text)
+        return result
+
+    def chat(self, token_ids: list[int], steps: list[dict[int, float]] | None,
+             top_n: int | None) -> ChatLogprobs | None:
+        """/v1/chat/completions `logprobs.content`: one entry per token with its top-n alternatives."""
+        if top_n is None:
+            return None
+        content = []
+        for token_id, step in zip(token_ids, _padded(steps, len(token_ids)), strict=True):
+            top = [self._entry(t, lp) for t, lp in _top(step, top_n)]
+            sampled = self._entry(token_id, (step or {}).get(token_id, MISSING_LOGPROB))
+            content.append(TokenLogprob(**sampled.model_dump(), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def _top_dict(self, step: dict[int, float], top_n: int) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for token_id, logprob in _top(step, top_n):  # distinct ids may decode alike (partial UTF-8): keep the best
+            top.setdefault(self._text(token_id), logprob)
+        return top
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _entry(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self._text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def _padded(steps: list[dict[int, float]] | None, length: int) -> list[dict[int, float] | None]:
+    return (list(steps or []) + [None] * length)[:length]
+
+
+def _top(step: dict[int, float] | None, top_n: int) -> list[tuple[int, float]]:
+    return sorted((step or {}).items(), key=lambda item: -item[1])[:top_n]

@@ -1,0 +1,224 @@
+"""`ascq zoo card`: an entry's README.md model card, metadata in the Hub's conventions for quantized models
+(base_model, base_model_relation, library_name, pipeline_tag, tags, license inherited from the base model), built and
+parsed back with huggingface_hub's `ModelCard` / `ModelCardData`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from ascq.errors import AscqError
+from ascq.paths import RECIPES_DIR, zoo_root
+from ascq.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
+
+CARD_NAME = "README.md"
+HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+SCHEME_TEXT = {
+    "dense": "unquantized weights",
+    "w8a8_dynamic": "int8 weights (per output channel, symmetric) and int8 activations quantized per token at run time",
+    "w8a8_static": "int8 weights (per output channel, symmetric) and int8 activations with a calibrated static scale",
+    "w4a16": "int4 weights (grouped along the input dimension), 16-bit activations (weight-only)",
+    "w8a16": "int8 weights (per output channel), 16-bit activations (weight-only)",
+    "w4a8_dynamic": "int4 weights (per output channel, symmetric) and int8 activations quantized per token at run time",
+}
+
+
+def render_card(entry_dir: Path, repo_id: str | None = None) -> str:
+    """The model card text; `repo_id` (ORG/NAME) is used in the serving commands, else the entry's local path."""
+    entry_dir = Path(entry_dir)
+    manifest = read_manifest(entry_dir)
+    config = _read_json(entry_dir / "config.json")
+    quantized = bool(manifest.get("recipe"))
+    license_fields = _license(manifest)
+    data = ModelCardData(
+        base_model=(manifest.get("base_model") or None) if quantized else None,  # a fixture is its own base
+        library_name="vllm" if manifest.get("format") == "msmodelslim" else "transformers",
+        pipeline_tag="text-generation",
+        tags=_tags(manifest, config),
+        **license_fields,
+        **({"base_model_relation": "quantized"} if quantized and manifest.get("base_model") else {}),
+    )
+    body = "\n".join([
+        f"# {manifest['name']}\n",
+        _summary(manifest, config),
+        _recipe_section(manifest),
+        *([_plan_section(manifest["planned"])] if manifest.get("planned") else []),
+        _quality_section(manifest),
+        _serve_section(manifest, config, repo_id or _local_ref(entry_dir), from_hub=repo_id is not None),
+        "## Files\n",
+        f"`ascq.json` lists every file with its size and sha256; `ascq zoo verify {manifest['name']}` checks them, "
+        "that the config and tokenizer load, and that the tensor names match the format.\n",
+    ])
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+    ModelCard(str(card))  # parse back: fails on metadata the library cannot read
+    return str(card)
+
+
+def write_card(entry_dir: Path, repo_id: str | None = None) -> Path:
+    """Write README.md into the entry and record it in the manifest (only that record changes, so a tampered file
+    elsewhere still fails verify)."""
+    entry_dir = Path(entry_dir)
+    text = render_card(entry_dir, repo_id)
+    manifest = read_manifest(entry_dir)
+    _atomic_write(entry_dir / CARD_NAME, text.encode())
+    files = dict(manifest.get("files") or {})
+    files[CARD_NAME] = {"size": (entry_dir / CARD_NAME).stat().st_size, "sha256": sha256_file(entry_dir / CARD_NAME)}
+    manifest["files"] = dict(sorted(files.items()))
+    _atomic_write(entry_dir / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
+    return entry_dir / CARD_NAME
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise AscqError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def _local_ref(entry_dir: Path) -> str:
+    """`zoo/NAME` for an entry of the zoo, else its absolute path."""
+    try:
+        return f"zoo/{entry_dir.resolve().relative_to(zoo_root().resolve())}"
+    except ValueError:
+        return str(entry_dir.resolve())
+
+
+def _license(manifest: dict[str, Any]) -> dict[str, str]:
+    """The entry's license, else the base entry's when the base is in the zoo (inherited), else "unknown"."""
+    source = manifest
+    base = manifest.get("base_model")
+    if not manifest.get("license") and base and (zoo_root() / Path(str(base)).name / MANIFEST_NAME).is_file():
+        source = read_manifest(zoo_root() / Path(str(base)).name)
+    fields = {k: source[k] for k in ("license", "license_name", "license_link") if source.get(k)}
+    return fields or {"license": "unknown"}
+
+
+def _tags(manifest: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    tags = ["ascq", manifest.get("format") or "hf"]
+    if manifest.get("recipe"):
+        tags += ["quantized", manifest.get("scheme") or "dense", *manifest["recipe"].get("names", [])]
+    if config.get("model_type"):
+        tags.append(config["model_type"])
+    return list(dict.fromkeys(t for t in tags if t))
+
+
+def _base_link(base: str | None) -> str:
+    if not base:
+        return "-"
+    return f"[{base}](https://huggingface.co/{base})" if HUB_REPO_ID.match(base) else f"`{base}`"
+
+
+def _summary(manifest: dict[str, Any], config: dict[str, Any]) -> str:
+    scheme = manifest.get("scheme") or "dense"
+    files = {rel: f for rel, f in (manifest.get("files") or {}).items() if rel != CARD_NAME}  # the card's own
+    size = sum(f["size"] for f in files.values())  # size would make it change each time it is recorded
+    if manifest.get("planned"):
+        intro = (f"A planned ascq zoo entry for {_base_link(manifest.get('base_model'))}: the weights are not produced "
+                 f"yet; `{manifest['planned']['commands']['convert']}` produces them.\n")
+    elif not manifest.get("recipe"):
+        intro = ("A fixture model trained by ascq for its tests and examples. No quantization recipe was applied: "
+                 "these are the original bf16 weights.\n")
+    else:
+        intro = f"A `{scheme}` quantization of {_base_link(manifest.get('base_model'))} made with ascq.\n"
+    calibration = manifest.get("calibration") or {}
+    rows = [
+        ("base model", _base_link(manifest.get("base_model") if manifest.get("recipe") else None)),
+        ("scheme", f"`{scheme}`: {SCHEME_TEXT.get(scheme, scheme)}"),
+        ("format", _format_text(manifest, config)),
+        ("recipe", ", ".join(f"`{n}`" for n in (manifest.get("recipe") or {}).get("names", [])) or "none (fixture)"),
+        ("calibration", f"{calibration.get('dataset', '?')}, {calibration.get('num_samples', '?')} samples"
+                        f" of {calibration.get('seq_len', '?')} tokens" if calibration else "none"),
+        ("size", f"{size / 2**20:.1f} MiB in {len(files)} files besides this card"),
+    ]
+    table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+    return f"{intro}\n{table}"
+
+
+def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
+    qc = config.get("quantization_config") or {}
+    if manifest.get("format") != "compressed-tensors" or not qc:
+        return manifest.get("format") or "hf"
+    groups = []
+    for group in (qc.get("config_groups") or {}).values():
+        w, a = group.get("weights") or {}, group.get("input_activations")
+        text = f"weights int{w.get('num_bits')} {w.get('strategy')}"
+        text += f" {w['group_size']}" if w.get("group_size") else ""
+        text += ", symmetric" if w.get("symmetric", True) else ", asymmetric"
+        if a:
+            text += f"; activations int{a.get('num_bits')} {'dynamic' if a.get('dynamic') else 'static'} {a.get('strategy')}"
+        groups.append(text)
+    ignore = ", ".join(f"`{i}`" for i in qc.get("ignore") or []) or "none"
+    return f"compressed-tensors `{qc.get('format')}` ({'; '.join(groups)}); not quantized: {ignore}"
+
+
+def _recipe_section(manifest: dict[str, Any]) -> str:
+    recipe = manifest.get("recipe")
+    if not recipe:
+        return "## Recipe\n\nNone: this is a fixture model, not a quantization.\n"
+    names, text, how = recipe.get("names", []), recipe.get("text"), "verbatim"
+    if not text and manifest.get("planned"):  # not applied yet: the recipe files `ascq convert` will apply
+        files = [RECIPES_DIR / f"{n}.yaml" for n in names]
+        text = "\n---\n".join(f.read_text().strip() + "\n" for f in files if f.is_file())
+        how = f"as shipped in `recipes/` ({', '.join(f.name for f in files)}), to be applied"
+    text = text or "(the recipe text was not recorded)"
+    return f"## Recipe\n\n`{'` + `'.join(names)}`, {how}:\n\n```yaml\n{text.rstrip()}\n```\n"
+
+
+def _plan_section(planned: dict[str, Any]) -> str:
+    rows = []
+    for recipe, row in planned["recipes"].items():
+        memory = " | ".join(f"{v['total_bytes'] / 2**30:.1f} GiB" for v in row["serve_memory"].values())
+        rows.append(f"| `{recipe}` | `{row['scheme']}` | {row['checkpoint_bytes'] / 2**30:.1f} GiB | {memory} |")
+    columns = " | ".join(k.replace("_", " ") for k in next(iter(planned["recipes"].values()))["serve_memory"])
+    return (f"## Plan\n\n{planned['num_parameters'] / 1e9:.2f} B parameters. Checkpoint size per recipe and memory to "
+            "serve it (weights with every expert resident + bf16 KV cache; activation workspace not included):\n\n"
+            f"| recipe | scheme | checkpoint | {columns} |\n|---|---|---:|" + "---:|" * len(row["serve_memory"]) + "\n"
+            + "\n".join(rows) + f"\n\nServe it with `{planned['commands']['serve']}`.\n")
+
+
+def _quality_section(manifest: dict[str, Any]) -> str:
+    metrics = manifest.get("metrics") or {}
+    ppl, base_ppl, unigram = metrics.get("perplexity"), metrics.get("perplexity_base"), metrics.get("unigram_perplexity")
+    where = f" on `{metrics['eval_text']}`" if metrics.get("eval_text") else ""
+    tokens = f" ({metrics['num_eval_tokens']} tokens)" if metrics.get("num_eval_tokens") else ""
+    rows = []
+    if base_ppl:
+        rows.append(f"| {manifest.get('base_model') or 'base'} (bf16) | {base_ppl:.4f} | |")
+    if ppl:
+        delta = f"{100 * (ppl / base_ppl - 1):+.2f}%" if base_ppl else ""
+        rows.append(f"| {manifest['name']} ({manifest.get('scheme') or 'dense'}) | {ppl:.4f} | {delta} |")
+    if unigram:
+        rows.append(f"| unigram baseline | {unigram:.4f} | |")
+    if not rows:
+        return "## Quality\n\nNo quality metrics were recorded for this entry.\n"
+    return ("## Quality\n\n"
+            f"Held-out perplexity{where}{tokens}, lower is better; before = the base model, after = this checkpoint.\n\n"
+            "| model | perplexity | change vs base |\n|---|---:|---:|\n" + "\n".join(rows) + "\n")
+
+
+def _serve_section(manifest: dict[str, Any], config: dict[str, Any], ref: str, from_hub: bool) -> str:
+    remote_code = " --trust-remote-code" if config.get("model_type") == "deepseek" else ""
+    ascend_quant = " --quantization ascend" if manifest.get("format") == "msmodelslim" else ""
+    pull = f"ascq zoo pull {ref}\nascq serve {ref.split('/')[1]}" if from_hub else f"ascq serve {ref}"
+    return (
+        "## Serve\n\n"
+        f"With ascq (CPU, CUDA or Ascend NPU; OpenAI-compatible API):\n\n```bash\n{pull}\n```\n\n"
+        f"With vLLM:\n\n```bash\nvllm serve {ref}{remote_code}\n```\n\n"
+        "With vllm-ascend (vLLM's Ascend NPU plugin, installed next to vLLM and torch_npu):\n\n"
+        f"```bash\nvllm serve {ref}{remote_code}{ascend_quant}\n```\n"
+    )

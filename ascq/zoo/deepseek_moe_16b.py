@@ -1,0 +1,88 @@
+"""The planned `zoo/deepseek-moe-16b` entry: config.json of deepseek-ai/deepseek-moe-16b-base, the recipes to apply,
+expected checkpoint sizes and serving memory per recipe, and the commands that produce and serve it. No weights.
+
+Regenerate with `python -m ascq.zoo.deepseek_moe_16b [TARGET]`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from ascq.paths import zoo_root
+from ascq.zoo.planned import write_planned_entry
+
+NAME = "deepseek-moe-16b"
+SOURCE = "deepseek-ai/deepseek-moe-16b-base"
+RECIPES = ["awq-int4", "w4a16-gptq", "w4a8-dynamic", "w8a8", "w8a16"]
+COMMANDS = {
+    "convert": f"ascq convert {SOURCE} --recipe awq-int4 --out zoo/{NAME}",
+    "serve": f"ascq serve zoo/{NAME}",
+}
+LICENSE = {
+    "license": "other",
+    "license_name": "deepseek",
+    "license_link": f"https://huggingface.co/{SOURCE}/blob/main/LICENSE",
+}
+
+# config.json of deepseek-ai/deepseek-moe-16b-base as published (the model's own remote code is never run by ascq).
+CONFIG: dict[str, Any] = {
+    "architectures": ["DeepseekForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekConfig",
+        "AutoModel": "modeling_deepseek.DeepseekModel",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
+    },
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 10944,
+    "max_position_embeddings": 4096,
+    "model_type": "deepseek",
+    "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "norm_topk_prob": False,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 16,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000,
+    "scoring_func": "softmax",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0",
+    "use_cache": True,
+    "vocab_size": 102400,
+}
+
+
+def write_entry(target: Path | None = None) -> dict[str, Any]:
+    return write_planned_entry(
+        Path(target) if target else zoo_root() / NAME,
+        CONFIG,
+        COMMANDS,
+        RECIPES,
+        source={"model": SOURCE, "revision": "main"},
+        base_model=SOURCE,
+        format="compressed-tensors",
+        scheme="w4a16",
+        recipe={"names": ["awq-int4"], "text": None},  # not applied yet; the card shows the shipped recipe
+        **LICENSE,
+    )
+
+
+if __name__ == "__main__":
+    print(write_entry(Path(sys.argv[1]) if len(sys.argv) > 1 else None)["planned"]["recipes"])

@@ -1,0 +1,187 @@
+"""Planned zoo entries: checkpoint size and serving memory per recipe computed from an architecture's config.json,
+and `require_weights`, the check that tells a user which command produces an entry's missing weights.
+
+Sizes count tensor payload bytes exactly as a compressed-tensors checkpoint stores them (safetensors headers, a few
+KiB, are not counted): quantized linears hold `weight_packed` int32 (or an int8 `weight`), `weight_scale` in the
+model dtype, a packed `weight_zero_point` when asymmetric, an int64 `weight_shape`; embeddings, norms, `lm_head` and the MoE
+router stay in bf16 (the converters' default exclusions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ascq.errors import AscqError
+from ascq.zoo.manifest import (
+    MANIFEST_NAME,
+    list_entry_files,
+    new_manifest,
+    read_manifest,
+    staged_entry,
+    write_manifest,
+)
+
+BF16_BYTES = 2
+EXCLUDED_LINEARS = ("lm_head", "mlp.gate")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How a recipe stores one linear: bits, group size (None = per output channel), zero point, static input scale."""
+
+    scheme: str
+    num_bits: int
+    group_size: int | None
+    symmetric: bool
+    packed: bool
+    static_input_scale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_bits not in (4, 8):
+            raise AscqError(f"{self.scheme}: num_bits must be 4 or 8, got {self.num_bits}")
+        if self.group_size is not None and self.group_size < 1:
+            raise AscqError(f"{self.scheme}: group_size must be positive or None, got {self.group_size}")
+
+    def linear_bytes(self, out_features: int, in_features: int) -> int:
+        """Bytes of one linear as compressed-tensors' compressors store it (checked against them in the tests)."""
+        num_groups = math.ceil(in_features / self.group_size) if self.group_size else 1
+        if self.packed:  # weight_packed int32 [out, ceil(in * bits / 32)] + weight_shape int64 [2]
+            weight = out_features * math.ceil(in_features * self.num_bits / 32) * 4 + 2 * 8
+        else:  # int-quantized: an int8 `weight` [out, in], whatever num_bits
+            weight = out_features * in_features
+        scale = out_features * num_groups * BF16_BYTES
+        zero_point = 0
+        if not self.symmetric:  # packed along the output dim: int32 [ceil(out * bits / 32), groups]
+            zero_point = math.ceil(out_features * self.num_bits / 32) * num_groups * 4 if self.packed else out_features * num_groups
+        input_scale = BF16_BYTES if self.static_input_scale else 0
+        return weight + scale + zero_point + input_scale
+
+
+# The converters' recipes (recipes/*.yaml) and how each stores its weights: compressed-tensors picks
+# pack-quantized for weight-only schemes and int-quantized (one int8 per value, int4 included) with int8 activations.
+RECIPE_SCHEMES: dict[str, WeightScheme] = {
+    "awq-int4": WeightScheme("w4a16", 4, 128, symmetric=False, packed=True),
+    "w4a16-gptq": WeightScheme("w4a16", 4, 128, symmetric=False, packed=True),
+    "w4a16-rtn": WeightScheme("w4a16", 4, 128, symmetric=False, packed=True),
+    "w4a8-dynamic": WeightScheme("w4a8_dynamic", 4, None, symmetric=True, packed=False),
+    "w8a16": WeightScheme("w8a16", 8, None, symmetric=True, packed=True),
+    "w8a8": WeightScheme("w8a8_dynamic", 8, None, symmetric=True, packed=False),
+    "w8a8-static": WeightScheme("w8a8_static", 8, None, symmetric=True, packed=False, static_input_scale=True),
+}
+
+
+def checkpoint_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF tensor name, shape) of every tensor of a Llama-family or DeepSeek-MoE v1 checkpoint."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    num_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // num_heads
+    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    tensors: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        tensors += [
+            (f"{p}.input_layernorm.weight", (hidden,)),
+            (f"{p}.post_attention_layernorm.weight", (hidden,)),
+            (f"{p}.self_attn.q_proj.weight", (num_heads * head_dim, hidden)),
+            (f"{p}.self_attn.k_proj.weight", (num_kv_heads * head_dim, hidden)),
+            (f"{p}.self_attn.v_proj.weight", (num_kv_heads * head_dim, hidden)),
+            (f"{p}.self_attn.o_proj.weight", (hidden, num_heads * head_dim)),
+        ]
+        tensors += _mlp_tensors(config, i, p)
+    tensors.append(("model.norm.weight", (hidden,)))
+    if not config.get("tie_word_embeddings", False):
+        tensors.append(("lm_head.weight", (vocab, hidden)))
+    return tensors
+
+
+def _mlp_tensors(config: dict[str, Any], layer: int, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    hidden = config["hidden_size"]
+
+    def mlp(name: str, intermediate: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"{name}.gate_proj.weight", (intermediate, hidden)), (f"{name}.up_proj.weight", (intermediate, hidden)),
+                (f"{name}.down_proj.weight", (hidden, intermediate))]
+
+    num_experts = config.get("n_routed_experts") or 0
+    is_moe = num_experts and layer >= config.get("first_k_dense_replace", 0) and layer % config.get("moe_layer_freq", 1) == 0
+    if not is_moe:
+        return mlp(f"{prefix}.mlp", config["intermediate_size"])
+    moe_intermediate = config["moe_intermediate_size"]
+    tensors = [(f"{prefix}.mlp.gate.weight", (num_experts, hidden))]
+    for e in range(num_experts):
+        tensors += mlp(f"{prefix}.mlp.experts.{e}", moe_intermediate)
+    if config.get("n_shared_experts"):
+        tensors += mlp(f"{prefix}.mlp.shared_experts", moe_intermediate * config["n_shared_experts"])
+    return tensors
+
+
+def num_parameters(config: dict[str, Any]) -> int:
+    return sum(math.prod(shape) for _, shape in checkpoint_tensors(config))
+
+
+def checkpoint_bytes(config: dict[str, Any], recipe: str | None) -> int:
+    """Tensor payload bytes of the checkpoint `recipe` produces (None: the bf16 original)."""
+    scheme = RECIPE_SCHEMES.get(recipe) if recipe else None
+    if recipe and scheme is None:
+        raise AscqError(f"unknown recipe '{recipe}'; known: {', '.join(sorted(RECIPE_SCHEMES))}")
+    total = 0
+    for name, shape in checkpoint_tensors(config):
+        module = name.removesuffix(".weight")
+        quantized = scheme and len(shape) == 2 and not module.endswith(EXCLUDED_LINEARS) and "embed_tokens" not in module
+        total += scheme.linear_bytes(*shape) if quantized else math.prod(shape) * BF16_BYTES
+    return total
+
+
+def kv_cache_bytes_per_token(config: dict[str, Any], kv_bytes: int = BF16_BYTES) -> int:
+    num_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    return 2 * config["num_hidden_layers"] * num_kv_heads * head_dim * kv_bytes
+
+
+def serving_memory(config: dict[str, Any], recipe: str | None, num_seqs: int = 1) -> dict[str, int]:
+    """Weights (every expert resident) + a bf16 KV cache for `num_seqs` full-length sequences; activation
+    workspace is not included."""
+    weights = checkpoint_bytes(config, recipe)
+    num_tokens = config["max_position_embeddings"] * num_seqs
+    kv = kv_cache_bytes_per_token(config) * num_tokens
+    return {"weights_bytes": weights, "kv_cache_tokens": num_tokens, "kv_cache_bytes": kv, "total_bytes": weights + kv}
+
+
+def plan(config: dict[str, Any], recipes: list[str], num_seqs_options: tuple[int, ...] = (1, 16)) -> dict[str, Any]:
+    """Per recipe (plus "bf16"): checkpoint bytes and serving memory at each concurrency in `num_seqs_options`."""
+    rows: dict[str, Any] = {}
+    for recipe in [None, *recipes]:
+        rows[recipe or "bf16"] = {
+            "scheme": RECIPE_SCHEMES[recipe].scheme if recipe else "dense",
+            "checkpoint_bytes": checkpoint_bytes(config, recipe),
+            "serve_memory": {f"{n}x{config['max_position_embeddings']}_tokens": serving_memory(config, recipe, n)
+                             for n in num_seqs_options},
+        }
+    return {"num_parameters": num_parameters(config), "kv_cache_bytes_per_token": kv_cache_bytes_per_token(config),
+            "recipes": rows}
+
+
+def write_planned_entry(target: Path, config: dict[str, Any], commands: dict[str, str], recipes: list[str],
+                        **manifest_fields: Any) -> dict[str, Any]:
+    """Write an entry holding only config.json and a manifest whose `planned` section says how to produce it."""
+    with staged_entry(Path(target)) as staging:
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        planned = {"weights": False, "commands": commands, **plan(config, recipes)}
+        manifest = write_manifest(staging, new_manifest(Path(target).name, planned=planned, **manifest_fields))
+    return manifest
+
+
+def require_weights(entry_dir: Path) -> None:
+    """Raise AscqError naming the command that produces the weights when a zoo entry holds no safetensors
+    (folders that are not zoo entries are left to the loader)."""
+    entry_dir = Path(entry_dir)
+    if not (entry_dir / MANIFEST_NAME).is_file() or any(r.endswith(".safetensors") for r in list_entry_files(entry_dir)):
+        return
+    manifest = read_manifest(entry_dir)
+    command = ((manifest.get("planned") or {}).get("commands") or {}).get("convert")
+    how = f"produce them with `{command}`" if command else "convert a model into it with `ascq convert MODEL --recipe NAME --out PATH`"
+    raise AscqError(f"zoo entry {entry_dir.name} has no weights yet: {how}")

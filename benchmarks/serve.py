@@ -1,0 +1,85 @@
+"""Serving benchmark: `ascq bench serve` against `ascq serve MODEL`, and the offline engine (`LLM.generate`) on the
+same requests in the same run, so the ratio is what the HTTP layer (async engine thread, SSE, JSON) costs.
+
+    python benchmarks/serve.py --model zoo/tiny-llama --num-prompts 128 --input-len 128 --output-len 64 \\
+        --max-concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from ascq.runtime.bench_serve import BenchServeOptions, format_report, random_prompts, run_bench_serve
+
+
+def start_server(model: str, port: int, max_num_seqs: int, log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "ascq.cli", "serve", model, "--port", str(port),
+               "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory", str(256 << 20)]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    process.kill()
+    raise SystemExit(f"server did not start:\n{log.read_text()[-2000:]}")
+
+
+def offline_output_throughput(model: str, options: BenchServeOptions, max_num_seqs: int) -> float:
+    from ascq import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=max_num_seqs, kv_cache_memory=256 << 20)
+    prompts = random_prompts(options.num_prompts, options.input_len, random.Random(options.seed))
+    params = SamplingParams(temperature=0.0, max_tokens=options.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], params)  # warm-up, like the server's first requests
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="zoo/tiny-llama")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--request-rate", type=float, default=float("inf"))
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    options = BenchServeOptions(base_url=f"http://127.0.0.1:{port}", num_prompts=args.num_prompts,
+                                request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                                input_len=args.input_len, output_len=args.output_len)
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    server = start_server(args.model, port, args.max_concurrency, log)
+    try:
+        run_bench_serve(BenchServeOptions(**{**vars(options), "num_prompts": 2}))  # warm-up
+        metrics = run_bench_serve(options)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+    offline = offline_output_throughput(args.model, options, args.max_concurrency)
+    print(format_report(metrics, options))
+    print(f"{'Offline LLM.generate (tok/s):':<34}{offline:>12.2f}")
+    print(f"{'Served / offline output tok/s:':<34}{metrics['output_throughput'] / offline:>12.2f}")
+    print(f"(cpu threads: {os.environ.get('OMP_NUM_THREADS', 'default')}; server log: {log})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The offline API on the trained fixture: `LLM.generate` / `LLM.chat`, `ascq generate`, fp8 KV cache agreement."""
+
+from __future__ import annotations
+
+import pytest
+
+from ascq import LLM
+from ascq.runtime.sampling_params import SamplingParams
+
+KV_MEMORY = 32 << 20
+
+
+@pytest.mark.slow
+def test_fp8_kv_greedy_agrees_with_bf16_kv_on_tiny_llama(tiny_llama_dir, eval_text_path):
+    """At every position bf16-KV greedy generated, fp8-KV picks the same token given the same context (teacher
+    forcing: free-running sequences that diverge once would otherwise compare unrelated continuations)."""
+    greedy_params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    bf16 = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory=KV_MEMORY)
+    text_ids = bf16.get_tokenizer().encode(eval_text_path.read_text()[:20_000])
+    prompts = [text_ids[i * 97:i * 97 + 40 + i] for i in range(12)]
+    generated = [o.outputs[0].token_ids for o in bf16.generate(prompts, greedy_params)]
+    fp8 = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_dtype="fp8", kv_cache_memory=KV_MEMORY)
+    contexts = [p + g[:k] for p, g in zip(prompts, generated, strict=True) for k in range(32)]
+    predicted = [o.outputs[0].token_ids[0] for o in fp8.generate(contexts, SamplingParams(temperature=0, max_tokens=1))]
+    expected = [t for g in generated for t in g]
+    agreement = sum(a == b for a, b in zip(predicted, expected, strict=True)) / len(expected)
+    assert agreement >= 0.95
+
+
+def test_llm_generate_and_chat_on_tiny_llama(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory=KV_MEMORY)
+    prompts = ["def main(", "import os\n", "class Foo"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    assert [o.prompt for o in outs] == prompts
+    alone = llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert alone.outputs[0].text == outs[1].outputs[0].text and outs[1].outputs[0].text
+    assert alone.outputs[0].text == llm.get_tokenizer().decode(alone.outputs[0].token_ids, skip_special_tokens=True)
+    chat = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4))[0]
+    template = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat.prompt_token_ids == llm.get_tokenizer().encode(template, add_special_tokens=False)
+    assert chat.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_generate_cli(tiny_llama_dir, tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ascq.cli", "generate", str(tiny_llama_dir), "--prompt", "def ", "--max-tokens", "6",
+           "--kv-cache-memory", str(KV_MEMORY)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    expected = LLM(str(tiny_llama_dir), kv_cache_memory=KV_MEMORY).generate("def ", SamplingParams(temperature=0, max_tokens=6))
+    assert done.stdout == expected[0].outputs[0].text + "\n"
+
+
+def test_generate_cli_errors_are_one_line(tmp_path, random_llama_dir, capsys):
+    from ascq.cli import main
+
+    for args in ([str(tmp_path), "--prompt", "x"], [str(random_llama_dir), "--prompt", "x", "--temperature", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["generate", *args])
+        err = capsys.readouterr().err
+        assert exc.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1

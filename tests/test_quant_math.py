@@ -1,0 +1,130 @@
+"""ascq.quantize.qmath against compressed-tensors' own functions and plain-torch math; the writer's bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.quantization.lifecycle.forward import dequantize, fake_quantize, quantize
+from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp
+
+from ascq.quantize import qmath
+from ascq.quantize.ct_writer import compress_linear
+from ascq.quantize.modifier import QuantizedLinear
+from ascq.quantize.schemes import LinearTarget, RecipeScheme
+
+WEIGHT_ARGS = [
+    QuantizationArgs(num_bits=8, strategy="channel", symmetric=True),
+    QuantizationArgs(num_bits=4, strategy="group", group_size=32, symmetric=False),
+    QuantizationArgs(num_bits=4, strategy="group", group_size=64, symmetric=True),
+    QuantizationArgs(num_bits=8, strategy="tensor", symmetric=True),
+    QuantizationArgs(num_bits=4, strategy="channel", symmetric=False),
+]
+
+
+def _weight(seed: int = 0, shape=(48, 128)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * 0.05
+    w[3, 7] = 0.9  # an outlier
+    w[5] = w[5].abs()  # a row without negatives (asymmetric zero point at the bottom of the range)
+    return w
+
+
+@pytest.mark.parametrize("num_bits,symmetric", [(8, True), (4, True), (4, False), (8, False)])
+def test_qparams_match_compressed_tensors(num_bits, symmetric):
+    g = torch.Generator().manual_seed(1)
+    lo, hi = -torch.rand(64, generator=g), torch.rand(64, generator=g)
+    lo[0], hi[1] = 0.3, -0.2  # ranges that exclude zero get widened to include it
+    args = QuantizationArgs(num_bits=num_bits, symmetric=symmetric, strategy="channel")
+    ct_scale, ct_zp = calculate_qparams(lo, hi, args)
+    scale, zp = qmath.compute_qparams(lo, hi, num_bits, symmetric)
+    torch.testing.assert_close(scale, ct_scale, rtol=1e-6, atol=0)
+    assert torch.equal(zp.to(torch.int32), ct_zp.to(torch.int32))
+
+
+@pytest.mark.parametrize("args", WEIGHT_ARGS, ids=lambda a: f"int{a.num_bits}-{a.strategy}-{'sym' if a.symmetric else 'asym'}")
+def test_weight_quantize_dequantize_match_compressed_tensors(args):
+    w = _weight()
+    q, scale, zp = qmath.quantize_weight(w, args)
+    ct_q = quantize(w, scale, zp, args, dtype=torch.int8)
+    assert torch.equal(q, ct_q)
+    torch.testing.assert_close(qmath.dequantize_weight(q, scale, zp, args), dequantize(ct_q, scale, zp, args), rtol=0, atol=0)
+    torch.testing.assert_close(qmath.fake_quantize_weight(w, args), fake_quantize(w, scale, zp, args), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("args", WEIGHT_ARGS, ids=lambda a: f"int{a.num_bits}-{a.strategy}-{'sym' if a.symmetric else 'asym'}")
+def test_weight_quantization_plain_math(args):
+    """Values in the signed range, max error half a step, the extremes hit the range ends."""
+    w = _weight(2)
+    q, scale, zp = qmath.quantize_weight(w, args)
+    qmin, qmax = qmath.int_range(args.num_bits)
+    assert q.dtype == torch.int8 and q.min() >= qmin and q.max() <= qmax
+    grouped = qmath.to_groups(w, args.strategy, args.group_size)
+    step = scale.float().reshape(grouped.shape[0], -1, 1)
+    error = (qmath.dequantize_weight(q, scale, zp, args) - w).abs()
+    assert (qmath.to_groups(error, args.strategy, args.group_size) <= step / 2 + 1e-6).all()
+    if args.symmetric:
+        assert zp is None
+        expected = grouped.abs().amax(-1, keepdim=True) / ((qmax - qmin) / 2)
+        torch.testing.assert_close(step, expected)
+    else:
+        assert zp.dtype == torch.int8 and zp.min() >= qmin and zp.max() <= qmax
+        assert q[5].min() == qmin  # an all-positive row: 0 maps to the lowest code
+
+
+def test_scale_rounded_to_checkpoint_dtype_before_rounding_values():
+    w = _weight(3)
+    args = WEIGHT_ARGS[0]
+    q, scale, _ = qmath.quantize_weight(w, args, torch.bfloat16)
+    assert scale.dtype == torch.bfloat16
+    assert torch.equal(q, quantize(w, scale, None, args, dtype=torch.int8))
+
+
+def test_per_token_fake_quant_matches_compressed_tensors_dynamic_token():
+    x = torch.randn(2, 16, 64) * torch.linspace(0.1, 5, 64)
+    args = QuantizationArgs(num_bits=8, strategy="token", symmetric=True, dynamic=True)
+    scale, zp = compute_dynamic_scales_and_zp(x, args, module=None)
+    expected = fake_quantize(x, scale, zp, args)
+    torch.testing.assert_close(qmath.per_token_fake_quantize(x), expected, rtol=0, atol=1e-6)
+    plain = (x / (x.abs().amax(-1, keepdim=True) / 127.5)).round().clamp(-128, 127) * (x.abs().amax(-1, keepdim=True) / 127.5)
+    torch.testing.assert_close(qmath.per_token_fake_quantize(x), plain, rtol=0, atol=1e-6)
+
+
+def test_static_and_fp8_scales_match_compressed_tensors():
+    x = torch.randn(4, 32, 64) * 3
+    absmax = x.abs().max()
+    int_args = QuantizationArgs(num_bits=8, strategy="tensor", symmetric=True)
+    ct_scale, _ = calculate_qparams(-absmax.reshape(1), absmax.reshape(1), int_args)
+    torch.testing.assert_close(qmath.static_scale(absmax, 8, torch.float32), ct_scale)
+    fp8_args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
+    ct_scale, ct_zp = calculate_qparams(-absmax.reshape(1), absmax.reshape(1), fp8_args)
+    scale = qmath.fp8_scale(absmax, torch.float32)
+    torch.testing.assert_close(scale, ct_scale)
+    torch.testing.assert_close(qmath.fp8_fake_quantize(x, scale), fake_quantize(x, ct_scale, ct_zp, fp8_args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("args,input_args", [
+    (WEIGHT_ARGS[0], QuantizationArgs(num_bits=8, strategy="token", symmetric=True, dynamic=True)),
+    (QuantizationArgs(num_bits=4, strategy="group", group_size=32, symmetric=False), None),
+    (QuantizationArgs(num_bits=8, strategy="channel", symmetric=True), None),
+])  # fmt: skip
+def test_written_tensors_unpack_to_the_chosen_values(args, input_args):
+    """int-quantized / pack-quantized tensors (compressed-tensors' compressor) give back q, scale and zero point."""
+    w = _weight(4)
+    q, scale, zp = qmath.quantize_weight(w, args, torch.bfloat16)
+    owner = RecipeScheme("test", {}, [])
+    target = LinearTarget(args, input_args, owner)
+    out = compress_linear(target, QuantizedLinear(q, scale, zp))
+    assert out["weight_scale"].dtype == torch.bfloat16 and torch.equal(out["weight_scale"], scale)
+    if input_args is not None:  # W8A8: int8 weight as is
+        assert out["weight"].dtype == torch.int8 and torch.equal(out["weight"], q)
+        return
+    assert out["weight_packed"].dtype == torch.int32 and out["weight_shape"].tolist() == list(w.shape)
+    assert torch.equal(unpack_from_int32(out["weight_packed"], args.num_bits, w.shape), q)
+    if zp is not None:
+        unpacked_zp = unpack_from_int32(out["weight_zero_point"], args.num_bits, scale.shape, packed_dim=0)
+        assert torch.equal(unpacked_zp, zp)
+    else:
+        assert "weight_zero_point" not in out
+    assert QuantizationScheme(targets=["Linear"], weights=args) == target.scheme
