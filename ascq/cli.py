@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -33,7 +33,7 @@ app.add_typer(bench_app, name="bench")
 
 @zoo_app.command("list")
 def zoo_list(
-    zoo: Annotated[Optional[Path], typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")] = None,
+    zoo: Annotated[Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")] = None,
 ) -> None:
     """Print the zoo's entries as a table."""
     from ascq.zoo.listing import format_table, list_entries
@@ -117,7 +117,7 @@ def convert(
     device: Annotated[str, typer.Option(help="Calibration compute device: cpu, cuda or npu.")] = "cpu",
     format: Annotated[str, typer.Option(help="compressed-tensors, or msmodelslim (vllm-ascend).")] = "compressed-tensors",
     eval_text: Annotated[Path | None, typer.Option(help="Text for perplexity before/after (default: the fixture eval text for ascq fixtures).")] = None,
-    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 2GB, 500MB.")] = "2GB",
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 1GB, 500MB (held in memory until written).")] = "1GB",
 ) -> None:
     """Quantize a checkpoint with one or more recipes into a zoo entry (layer by layer, atomic)."""
     from ascq.quantize.convert import ConvertOptions, format_summary, parse_size

@@ -20,7 +20,12 @@ from ascq.kernels import WEIGHT_BITS, QuantLinearWeights, cpu, reference
 SCHEMES = ("w4a16", "w8a16", "w8a8_dynamic", "w8a8_static", "w4a8_dynamic")
 GROUP_SIZE = {"w4a16": 128}
 # thresholds forced off to time a kernel path at every M
-FORCE_FAST = {"DENSE_BF16_MAX_M": 10**9, "INT8PACK_MAX_M": 10**9, "FBGEMM_SPLIT_MAX_M": 10**9}
+FORCE_FAST = {
+    "DENSE_BF16_MAX_M": 10**9,
+    "INT4PACK_MAX_M": 10**9,
+    "INT8PACK_MAX_M": 10**9,
+    "FBGEMM_SPLIT_MAX_M": 10**9,
+}
 
 
 def interleaved_best_ms(candidates: dict[str, tuple], rounds: int, min_run_time: float) -> dict[str, float]:

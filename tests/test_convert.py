@@ -11,6 +11,7 @@ from safetensors import safe_open
 from ascq.evaluate import eval_windows, load_eval_token_ids, perplexity
 from ascq.quantize.reference_forward import reference_logits
 from ascq.zoo.manifest import read_manifest, verify_files
+from ascq.zoo.verify import verify_entry
 
 RECIPES = [("w8a8",), ("w8a8-static",), ("w4a16-rtn",), ("w8a16",), ("w8a8", "fp8-kv")]
 EXPECTED = {  # recipe -> (format, q_proj tensors and dtypes)
@@ -39,6 +40,7 @@ def test_each_recipe_converts_each_fixture(request, converted_entry, recipes, fi
     entry = converted_entry(base, recipes)
     manifest = read_manifest(entry)
     verify_files(entry, manifest)
+    assert any("tensor names match compressed-tensors" in line for line in verify_entry(entry))  # `ascq zoo verify`
     qconfig = json.loads((entry / "config.json").read_text())["quantization_config"]
     fmt, q_proj = EXPECTED[recipes[0]]
     assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == fmt

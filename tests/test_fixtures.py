@@ -37,7 +37,6 @@ def moe_eval(tiny_deepseek_moe_dir):
     return model, ppl
 
 
-@pytest.mark.slow
 def test_tiny_llama_loads_with_auto_model_and_uses_gqa(llama_eval, tiny_llama_dir):
     model, _ = llama_eval
     config = json.loads((tiny_llama_dir / "config.json").read_text())
@@ -47,7 +46,6 @@ def test_tiny_llama_loads_with_auto_model_and_uses_gqa(llama_eval, tiny_llama_di
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["llama", "moe"])
 def test_recomputed_perplexity_matches_manifest_and_beats_unigram(entry, request):
     model_dir = request.getfixturevalue("tiny_llama_dir" if entry == "llama" else "tiny_deepseek_moe_dir")
@@ -58,7 +56,6 @@ def test_recomputed_perplexity_matches_manifest_and_beats_unigram(entry, request
     assert metrics["num_eval_tokens"] == load_eval_token_ids(model_dir).numel()
 
 
-@pytest.mark.slow
 def test_moe_has_no_dead_experts_on_eval_text(moe_eval, tiny_deepseek_moe_dir):
     model, _ = moe_eval
     counts = model.routed_token_counts().double()

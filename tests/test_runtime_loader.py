@@ -25,8 +25,8 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def write_ct_checkpoint(src, dst, scheme: QuantizationScheme, fmt: str) -> dict[str, torch.Tensor]:
-    """Quantize every decoder linear round-to-nearest with the library's qparams and compressor; returns the
-    library's own decompression of each weight (the independent ground truth)."""
+    """Quantize every decoder linear round-to-nearest with the library's qparams and compressor, written as two
+    shards; returns the library's own decompression of each weight (the independent ground truth)."""
     shutil.copytree(src, dst)
     state = load_file(str(src / "model.safetensors"))
     compressor = BaseCompressor.get_value_from_registry(fmt)
@@ -46,7 +46,12 @@ def write_ct_checkpoint(src, dst, scheme: QuantizationScheme, fmt: str) -> dict[
         out.update({f"{prefix}.{k}": v.contiguous() for k, v in compressed.items()})
         dequantized[name] = compressor.decompress(dict(compressed), scheme)["weight"]
     (dst / "model.safetensors").unlink()
-    save_file(out, str(dst / "model.safetensors"))
+    names = sorted(out)
+    shards = {"model-00001-of-00002.safetensors": names[0::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, shard_names in shards.items():  # alternate names: each linear's tensors span both shards
+        save_file({n: out[n] for n in shard_names}, str(dst / file))
+    weight_map = {n: file for file, shard_names in shards.items() for n in shard_names}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     qconfig = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, ignore=["lm_head"],
                                  quantization_status="compressed")
     ModelCompressor(quantization_config=qconfig).update_config(str(dst))

@@ -130,5 +130,5 @@ def test_tiny_llama_greedy_matches_transformers(tiny_llama_dir, eval_text_path):
 def test_tiny_deepseek_moe_greedy_matches_reference(tiny_deepseek_moe_dir, eval_text_path):
     engine = LLMEngine(EngineArgs(tiny_deepseek_moe_dir, kv_cache_memory=KV_MEMORY))
     reference = load_deepseek(tiny_deepseek_moe_dir, torch.float32).eval()
-    prompts = text_prompts(engine.tokenizer, 8, eval_text_path)
-    assert run_greedy(engine, prompts, 24) == [reference_greedy(reference, p, 24) for p in prompts]
+    prompts = text_prompts(engine.tokenizer, 16, eval_text_path)
+    assert run_greedy(engine, prompts, 32) == [reference_greedy(reference, p, 32) for p in prompts]

@@ -5,8 +5,8 @@ Paths (thresholds from `python benchmarks/kernels.py`; table in the README "Kern
   weight is copied into an fp32 workspace and multiplied in fp32.
 - `int4pack` (w4a16, out % 16 == 0, group 32/64/128/256, or per channel with in % 32 == 0 via replicated scales):
   aten._weight_int4pack_mm_for_cpu with bf16 activations below INT4PACK_MAX_M; from there dequantize + fp32 GEMM
-  is 2-4x faster, unpacking the int4pack copy itself (its layout is checked per layer at load; only if it differs
-  are the int8 values kept as well).
+  is faster (1.7x at M=512), unpacking the int4pack copy itself (its layout is checked per layer at load; only if
+  it differs are the int8 values kept as well).
 - `int8pack` (w8a16 per-channel symmetric): aten._weight_int8pack_mm with bf16 activations below INT8PACK_MAX_M.
 - `fbgemm` (w8a8 static/dynamic, w4a8 dynamic, per channel): fbgemm's int8 GEMM with explicit input qparams, exact.
   AVX2 multiplies u8 x s8 pairs into saturating int16, so activations must stay within 7 bits: for int8 weights
@@ -36,7 +36,7 @@ __all__ = ["linear", "moe_experts", "paged_attention", "prepare_experts", "prepa
 __all__ += ["write_kv_cache"]
 
 DENSE_BF16_MAX_M = 8
-INT4PACK_MAX_M = 64
+INT4PACK_MAX_M = 256
 INT8PACK_MAX_M = 64
 FBGEMM_SPLIT_MAX_M = 256
 INT4PACK_GROUP_SIZES = (256, 128, 64, 32)

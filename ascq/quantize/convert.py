@@ -42,7 +42,7 @@ class ConvertOptions:
     device: str = "cpu"
     format: str = "compressed-tensors"
     eval_text: Path | None = None
-    max_shard_bytes: int = 2 << 30
+    max_shard_bytes: int = 1 << 30  # pending output is held in memory up to this size
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -132,7 +132,7 @@ def stream_convert(
     calib_ids: torch.Tensor,
     out_dir: Path,
     device: str = "cpu",
-    max_shard_bytes: int = 2 << 30,
+    max_shard_bytes: int = 1 << 30,
     eval_ids: torch.Tensor | None = None,
     progress: bool = True,
     writer: ShardWriter | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -113,28 +114,32 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def iter_checkpoint(model_dir: Path, quant: QuantConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every weight, memory-mapped; packed int weights come out unpacked as int8 `*.weight`."""
+    """(name, tensor) of every weight, memory-mapped; packed int weights come out unpacked as int8 `*.weight`.
+
+    A linear's tensors may sit in different shards, so every shard stays open while iterating.
+    """
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            names = set(f.keys())
-            for name in sorted(names):
-                if name.endswith(".weight_shape"):
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(path, framework="pt", device="cpu")) for path in checkpoint_files(model_dir)]
+        owner = {name: f for f in handles for name in f.keys()}
+        for name in sorted(owner):
+            if name.endswith(".weight_shape"):
+                continue
+            prefix = name.rsplit(".", 1)[0]
+            group = quant.group_for(prefix) if quant is not None else None
+            packed = group is not None and group[2] == "pack-quantized" and f"{prefix}.weight_packed" in owner
+            tensor = owner[name].get_tensor(name)
+            if packed and name.endswith((".weight_packed", ".weight_zero_point")):
+                shape = owner[f"{prefix}.weight_shape"].get_tensor(f"{prefix}.weight_shape").tolist()
+                num_bits = group[0].weights.num_bits
+                if name.endswith(".weight_packed"):
+                    yield f"{prefix}.weight", unpack_from_int32(tensor, num_bits, shape)
                     continue
-                prefix = name.rsplit(".", 1)[0]
-                group = quant.group_for(prefix) if quant is not None else None
-                packed = group is not None and group[2] == "pack-quantized"
-                if packed and name.endswith(".weight_packed"):
-                    shape = f.get_tensor(f"{prefix}.weight_shape").tolist()
-                    yield f"{prefix}.weight", unpack_from_int32(f.get_tensor(name), group[0].weights.num_bits, shape)
-                elif packed and name.endswith(".weight_zero_point") and f"{prefix}.weight_packed" in names:
-                    shape = f.get_tensor(f"{prefix}.weight_shape").tolist()
-                    num_groups = f.get_slice(f"{prefix}.weight_scale").get_shape()[-1]
-                    zp_shape = [shape[0], num_groups]
-                    yield name, unpack_from_int32(f.get_tensor(name), group[0].weights.num_bits, zp_shape, packed_dim=0)
-                else:
-                    yield name, f.get_tensor(name)
+                num_groups = owner[f"{prefix}.weight_scale"].get_slice(f"{prefix}.weight_scale").get_shape()[-1]
+                yield name, unpack_from_int32(tensor, num_bits, [shape[0], num_groups], packed_dim=0)
+                continue
+            yield name, tensor
 
 
 def load_model(

@@ -46,7 +46,7 @@ def _row(manifest: dict[str, Any]) -> tuple[str, ...]:
 def format_table(manifests: list[dict[str, Any]]) -> str:
     rows = [COLUMNS] + [_row(m) for m in manifests]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     if not manifests:
         lines.append("(no entries)")
     return "\n".join(lines)

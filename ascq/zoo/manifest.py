@@ -137,6 +137,7 @@ def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
+        os.chmod(staging, 0o777 & ~_current_umask())  # mkdtemp makes 0700; an entry gets normal folder permissions
     except OSError as exc:
         raise AscqError(f"cannot write to {target.parent}: {exc.strerror or exc}") from None
     try:
@@ -147,6 +148,12 @@ def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
