@@ -130,6 +130,19 @@ def test_backend_linear_matches_reference(case, backend, dtype):
     assert fast.linear(x3, prepared).shape == (2, 3, out_features)
 
 
+def test_cpu_linear_works_after_use_under_inference_mode():
+    """The engine runs under inference mode; buffers it grows must stay usable outside it."""
+    cpu = get_backend("cpu")
+    w = make_weights("dense", 64, 2048, seed=3)  # larger than any other layer in this file: grows the workspace
+    w.weight = w.weight.bfloat16()
+    prepared = cpu.prepare_linear(w, torch.bfloat16)
+    x = torch.randn(300, 2048).bfloat16()  # bf16 at large M runs through the fp32 workspace
+    with torch.inference_mode():
+        inside = cpu.linear(x, prepared)
+    outside = cpu.linear(x, prepared)
+    assert torch.equal(inside, outside)
+
+
 @pytest.mark.parametrize(
     "scheme, group_size, dtype, kernel",
     [

@@ -49,7 +49,8 @@ _workspace = torch.empty(0)
 def _fp32_workspace(rows: int, cols: int) -> torch.Tensor:
     global _workspace
     if _workspace.numel() < rows * cols:
-        _workspace = torch.empty(rows * cols)
+        with torch.inference_mode(False):  # a normal tensor: the engine runs under inference mode, tests do not
+            _workspace = torch.empty(rows * cols)
     return _workspace[: rows * cols].view(rows, cols)
 
 
