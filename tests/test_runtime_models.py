@@ -52,11 +52,21 @@ def hf_greedy(model, prompt: list[int], max_tokens: int, eos: int | None) -> lis
 
 
 def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = list(prompt)
+    return reference_greedy_batch(model, [prompt], max_tokens)[0]
+
+
+def reference_greedy_batch(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy decoding without a cache: the whole sequence is recomputed each step. Sequences are right-padded,
+    which a causal model never attends to, and each one's next token is read at its own last position."""
+    seqs = [list(p) for p in prompts]
     with torch.no_grad():
         for _ in range(max_tokens):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+            width = max(len(s) for s in seqs)
+            batch = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+            logits = model(batch)
+            for i, s in enumerate(seqs):
+                s.append(int(logits[i, len(s) - 1].argmax()))
+    return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)]
 
 
 def test_random_llama_greedy_matches_transformers(random_llama_dir, byte_tokenizer):
@@ -130,5 +140,5 @@ def test_tiny_llama_greedy_matches_transformers(tiny_llama_dir, eval_text_path):
 def test_tiny_deepseek_moe_greedy_matches_reference(tiny_deepseek_moe_dir, eval_text_path):
     engine = LLMEngine(EngineArgs(tiny_deepseek_moe_dir, kv_cache_memory=KV_MEMORY))
     reference = load_deepseek(tiny_deepseek_moe_dir, torch.float32).eval()
-    prompts = text_prompts(engine.tokenizer, 16, eval_text_path)
-    assert run_greedy(engine, prompts, 32) == [reference_greedy(reference, p, 32) for p in prompts]
+    prompts = text_prompts(engine.tokenizer, 32, eval_text_path)
+    assert run_greedy(engine, prompts, 64) == reference_greedy_batch(reference, prompts, 64)
