@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,21 @@ def npu_converted(tmp_path_factory):
         return out
 
     return get
+
+
+# Two small zoo entries (dense and W4A16) shared by the zoo card and verify tests.
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from zoo_builder import write_dense_entry, write_w4a16_entry
+
+    root = tmp_path_factory.mktemp("built")
+    return {"dense": write_dense_entry(root / "tiny-test-llama"), "w4a16": write_w4a16_entry(root / "tiny-test-llama-w4a16")}
+
+
+@pytest.fixture
+def zoo(built: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "zoo"
+    for entry in built.values():
+        shutil.copytree(entry, root / entry.name)
+    monkeypatch.setenv("ASCQ_ZOO", str(root))
+    return root

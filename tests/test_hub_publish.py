@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from hub_double import HubDouble
 from huggingface_hub import ModelCard
-from zoo_builder import write_w4a16_entry
+from zoo_builder import run, write_w4a16_entry
 
-from ascq.cli import main
 from ascq.zoo.manifest import MANIFEST_NAME, list_entry_files, read_manifest, write_manifest
 
 TOKEN = "hf_TESTDOUBLEsecretTOKEN0123456789"
@@ -52,14 +51,6 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptu
         monkeypatch.setenv("HF_TOKEN", TOKEN)
         monkeypatch.setenv("ASCQ_ZOO", str(tmp_path / "zoo"))
         yield double
-
-
-def run(*argv: str) -> int:
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        return exc.code or 0
-    return 0
 
 
 def local_bytes(entry: Path) -> dict[str, bytes]:

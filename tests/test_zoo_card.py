@@ -3,40 +3,14 @@ quantized models, the recipe verbatim and the before/after quality table; the ma
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import pytest
 from huggingface_hub import ModelCard, metadata_load
-from zoo_builder import RECIPE_TEXT, write_dense_entry, write_w4a16_entry
+from zoo_builder import RECIPE_TEXT, run
 
-from ascq.cli import main
 from ascq.zoo.card import render_card
 from ascq.zoo.manifest import read_manifest, write_manifest
 from ascq.zoo.verify import verify_entry
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("built")
-    return {"dense": write_dense_entry(root / "tiny-test-llama"), "w4a16": write_w4a16_entry(root / "tiny-test-llama-w4a16")}
-
-
-@pytest.fixture
-def zoo(built: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "zoo"
-    for entry in built.values():
-        shutil.copytree(entry, root / entry.name)
-    monkeypatch.setenv("ASCQ_ZOO", str(root))
-    return root
-
-
-def run(*argv: str) -> int:
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        return exc.code or 0
-    return 0
 
 
 def test_card_of_a_quantized_entry_has_hub_metadata_recipe_and_quality_table(zoo: Path) -> None:

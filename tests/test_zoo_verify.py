@@ -4,41 +4,16 @@ the first mismatch is named; entries are given by name or by path."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from zoo_builder import write_dense_entry, write_w4a16_entry
+from zoo_builder import run
 
-from ascq.cli import main
 from ascq.errors import AscqError
 from ascq.zoo.manifest import read_manifest, write_manifest
 from ascq.zoo.verify import verify_entry
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("built")
-    return {"dense": write_dense_entry(root / "tiny-test-llama"), "w4a16": write_w4a16_entry(root / "tiny-test-llama-w4a16")}
-
-
-@pytest.fixture
-def zoo(built: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "zoo"
-    for entry in built.values():
-        shutil.copytree(entry, root / entry.name)
-    monkeypatch.setenv("ASCQ_ZOO", str(root))
-    return root
-
-
-def run(*argv: str) -> int:
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        return exc.code or 0
-    return 0
 
 
 def rewrite_shard(entry: Path, shard: str, edit) -> None:

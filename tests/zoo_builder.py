@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ascq.cli import main
 from ascq.zoo.manifest import new_manifest, staged_entry, write_manifest
 
 CORPUS = ["def main():\n    return 0\n", "import os\nprint(os.getcwd())\n", "class A:\n    pass\n"] * 20
@@ -104,3 +105,11 @@ def _json(obj: object) -> str:
     import json
 
     return json.dumps(obj, indent=2, default=str) + "\n"
+
+
+def run(*argv: str) -> int:
+    try:
+        main(list(argv))
+    except SystemExit as exc:
+        return exc.code or 0
+    return 0
