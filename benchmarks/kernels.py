@@ -23,6 +23,7 @@ GROUP_SIZE = {"w4a16": 128}
 FORCE_FAST = {
     "DENSE_BF16_MAX_M": 10**9,
     "INT4PACK_MAX_M": 10**9,
+    "NATIVE_MAX_M": 10**9,
     "INT8PACK_MAX_M": 10**9,
     "FBGEMM_SPLIT_MAX_M": 10**9,
 }

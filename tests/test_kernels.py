@@ -32,6 +32,8 @@ LINEAR_CASES = [
     ("w4a16", 32, 256, None, True),
     ("w4a16", 40, 200, 40, False),
     ("w4a16", 24, 200, None, True),
+    ("w4a16", 37, 320, 64, False),
+    ("w4a16", 24, 4160, None, False),  # per channel wider than the native kernel's largest group: replicated scales
     ("w8a16", 48, 256, None, True),
     ("w8a16", 40, 200, None, False),
     ("w8a16", 32, 384, 64, True),
@@ -146,8 +148,8 @@ def test_cpu_linear_works_after_use_under_inference_mode():
 @pytest.mark.parametrize(
     "scheme, group_size, dtype, kernel",
     [
-        ("w4a16", 32, torch.bfloat16, "int4pack"),
-        ("w4a16", None, torch.bfloat16, "int4pack"),
+        ("w4a16", 32, torch.bfloat16, "int4native"),
+        ("w4a16", None, torch.bfloat16, "int4native"),
         ("w4a16", 32, torch.float32, "dequant"),
         ("w8a16", None, torch.bfloat16, "int8pack"),
         ("w8a8_dynamic", None, torch.float32, "fbgemm"),
@@ -164,6 +166,39 @@ def test_cpu_backend_picks_the_fast_kernels(scheme, group_size, dtype, kernel):
     assert prepared.weights.weight.is_meta  # no second reference to the checkpoint's weight
     if WEIGHT_BITS[scheme] == 4 and kernel != "dequant":
         assert prepared.weight is None  # 4-bit kernels keep only their packed copy
+
+
+def test_w4a16_falls_back_to_int4pack_without_the_native_kernel(monkeypatch):
+    """Where the native kernel cannot build (no compiler, no AVX2), torch's int4pack kernel serves bf16 W4A16."""
+    from ascq.kernels import native
+
+    monkeypatch.setattr(native, "load", lambda: None)
+    cpu, ref = get_backend("cpu"), get_backend("reference")
+    w = make_weights("w4a16", 48, 256, 64, symmetric=False)
+    prepared = cpu.prepare_linear(w, torch.bfloat16)
+    assert prepared.kernel == "int4pack"
+    for num_rows in (1, 260):
+        x = torch.randn(num_rows, 256).bfloat16()
+        assert rel_error(cpu.linear(x, prepared), ref.linear(x, ref.prepare_linear(w, torch.bfloat16))) < 2e-2
+
+
+def test_native_w4_packing_round_trips_and_builds_into_its_cache_dir(tmp_path):
+    import subprocess
+    import sys
+
+    from ascq.kernels import native
+
+    q = torch.randint(-8, 8, (5, 96), dtype=torch.int8)
+    packed = native.pack_w4(q)
+    assert packed.shape == (5, 48) and packed.dtype == torch.uint8
+    assert torch.equal(native.unpack_w4_into(packed, torch.empty(5, 96)), q.float())
+    code = "from ascq.kernels import native; assert native.load() is not None"
+    env = {**__import__("os").environ, "ASCQ_CACHE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert [f.suffix for f in tmp_path.iterdir()] == [".so"]  # no temporary file left behind
+    env["ASCQ_NATIVE_KERNELS"] = "0"
+    code = "from ascq.kernels import native; assert native.load() is None"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
 def test_merge_output_dim_equals_separate_linears():

@@ -1,0 +1,110 @@
+"""ascq's one native CPU kernel (w4a16_gemv.c), compiled with the system C compiler on first use and loaded via ctypes.
+
+No torch headers are needed (the kernel takes raw pointers), so a compile takes about a second. The shared object is
+cached under $ASCQ_CACHE_DIR (default ~/.cache/ascq/kernels), named by a hash of source, flags and compiler, and
+written to a temporary file then renamed, so concurrent first uses never load a half-written library. It links
+OpenMP by its soname, libgomp.so.1: the copy torch has already loaded is the one used, so the kernel shares torch's
+thread pool and `torch.set_num_threads`.
+
+`load()` returns None (with one warning) when there is no compiler, the CPU lacks AVX2/FMA, or ASCQ_NATIVE_KERNELS=0;
+the cpu backend then keeps torch's int4pack kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("w4a16_gemv.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+def _cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ascq" / "kernels"
+    return Path(os.environ.get("ASCQ_CACHE_DIR", default))
+
+
+def _compile(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"w4a16_gemv-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None where it cannot run (reason given once as a warning)."""
+    if os.environ.get("ASCQ_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
+        warnings.warn("ascq native CPU kernel unavailable (needs x86-64 and a C compiler); using torch's kernels",
+                      stacklevel=2)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_compile(compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        warnings.warn(f"ascq native CPU kernel failed to build ({detail.strip()[:200]}); using torch's kernels",
+                      stacklevel=2)
+        return None
+    if not lib.ascq_cpu_supported():
+        return None
+    lib.ascq_w4a16_mm.restype = ctypes.c_int
+    lib.ascq_w4a16_mm.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    return lib
+
+
+def pack_w4(q: torch.Tensor) -> torch.Tensor:
+    """Signed int4 values int8 [N, K] (K % 32 == 0) -> uint8 [N, K/2] in the kernel's layout: in each run of 32,
+    byte j = (q[j] + 8) | (q[j + 16] + 8) << 4."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(q.shape[0], -1, 2, 16)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
+
+
+def unpack_w4_into(packed: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_w4`: the signed values written into `buf` [N, K] (any float dtype)."""
+    runs = packed.view(packed.shape[0], -1, 16)
+    out = buf.view(buf.shape[0], -1, 2, 16)
+    out[:, :, 0].copy_(runs & 15)
+    out[:, :, 1].copy_(runs >> 4)
+    return buf.sub_(8)
+
+
+def w4a16_mm(
+    lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """x [M, K] bf16 or fp32 -> fp32 [M, N]; scales and zeros (zero point + 8; None: symmetric) contiguous fp32
+    [N, K/group_size]."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
+    status = lib.ascq_w4a16_mm(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), scales.data_ptr(),
+        None if zeros is None else zeros.data_ptr(),
+        y.data_ptr(), x.shape[0], packed.shape[0], x.shape[1], group_size,
+    )
+    if status != 0:
+        raise ValueError(f"w4a16 kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
+    return y
