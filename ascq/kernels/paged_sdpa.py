@@ -54,12 +54,13 @@ def _gather(
     return rows.view(*slots.shape, *cache.shape[2:])
 
 
-def _slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots [S, length] of each sequence's first `length` positions (padding -> slot 0)."""
-    positions = torch.arange(length, device=block_tables.device)
-    blocks = block_tables.long()[:, positions // block_size]
-    slots = blocks * block_size + positions % block_size
-    return torch.where(positions[None, :] < seq_lens[:, None], slots, 0)
+def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots [S, length] of each sequence's first `length` positions; past a sequence's own end they
+    are slots of its table's padding blocks (valid, finite, and masked by the caller)."""
+    num_blocks = -(-length // block_size)
+    offsets = torch.arange(block_size, device=block_tables.device)
+    slots = block_tables[:, :num_blocks, None].long() * block_size + offsets
+    return slots.flatten(1)[:, :length]
 
 
 def _attend_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale):
@@ -69,22 +70,22 @@ def _attend_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, k_sca
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, max_len = k_cache.shape[2], int(seq_lens.max())
-    slots = _slots(block_tables, seq_lens, max_len, k_cache.shape[1])
+    slots = _slots(block_tables, max_len, k_cache.shape[1])
     keys = _gather(k_cache, slots, torch.float32, k_scale)  # [B, L, Hkv, D]
     values = _gather(v_cache, slots, torch.float32, v_scale)
-    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale
-    padding = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), values)
+    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim) * scale
+    scores = q @ keys.permute(0, 2, 3, 1)  # [B, Hkv, G, L]
+    if num_seqs > 1:
+        padding = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]
+        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    out = scores.softmax(dim=-1) @ values.transpose(1, 2)  # [B, Hkv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def _attend_prefill(query, k_cache, v_cache, block_table, seq_len, scale, k_scale, v_scale):
     """query [Lq, H, D] = the last Lq positions of a seq_len-token context -> [Lq, H, D]."""
     query_len, block_size = query.shape[0], k_cache.shape[1]
-    seq_lens = torch.tensor([seq_len], device=query.device)
-    slots = _slots(block_table[None], seq_lens, seq_len, block_size)
+    slots = _slots(block_table[None], seq_len, block_size)
     keys = _gather(k_cache, slots, query.dtype, k_scale).transpose(1, 2)
     values = _gather(v_cache, slots, query.dtype, v_scale).transpose(1, 2)
     q = query.transpose(0, 1)[None]  # [1, H, Lq, D]
