@@ -192,6 +192,14 @@ def test_native_w4_packing_round_trips_and_builds_into_its_cache_dir(tmp_path):
     packed = native.pack_w4(q)
     assert packed.shape == (5, 48) and packed.dtype == torch.uint8
     assert torch.equal(native.unpack_w4_into(packed, torch.empty(5, 96)), q.float())
+    lib, threads = native.load(), torch.get_num_threads()
+    x, scales = torch.randn(3, 96).bfloat16(), torch.rand(5, 3)
+    try:
+        torch.set_num_threads(1)
+        one_thread = native.w4a16_mm(lib, x, packed, scales, None, 32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, native.w4a16_mm(lib, x, packed, scales, None, 32))  # rows split, never sums
     code = "from ascq.kernels import native; assert native.load() is not None"
     env = {**__import__("os").environ, "ASCQ_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)

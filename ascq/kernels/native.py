@@ -4,7 +4,7 @@ No torch headers are needed (the kernel takes raw pointers), so a compile takes 
 cached under $ASCQ_CACHE_DIR (default ~/.cache/ascq/kernels), named by a hash of source, flags and compiler, and
 written to a temporary file then renamed, so concurrent first uses never load a half-written library. It links
 OpenMP by its soname, libgomp.so.1: the copy torch has already loaded is the one used, so the kernel shares torch's
-thread pool and `torch.set_num_threads`.
+thread pool; each call runs on `torch.get_num_threads()` threads.
 
 `load()` returns None (with one warning) when there is no compiler, the CPU lacks AVX2/FMA, or ASCQ_NATIVE_KERNELS=0;
 the cpu backend then keeps torch's int4pack kernel.
@@ -72,7 +72,7 @@ def load() -> ctypes.CDLL | None:
     if not lib.ascq_cpu_supported():
         return None
     lib.ascq_w4a16_mm.restype = ctypes.c_int
-    lib.ascq_w4a16_mm.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.ascq_w4a16_mm.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     return lib
 
 
@@ -103,7 +103,7 @@ def w4a16_mm(
     status = lib.ascq_w4a16_mm(
         x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), scales.data_ptr(),
         None if zeros is None else zeros.data_ptr(),
-        y.data_ptr(), x.shape[0], packed.shape[0], x.shape[1], group_size,
+        y.data_ptr(), x.shape[0], packed.shape[0], x.shape[1], group_size, torch.get_num_threads(),
     )
     if status != 0:
         raise ValueError(f"w4a16 kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")

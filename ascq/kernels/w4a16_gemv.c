@@ -89,11 +89,12 @@ static inline __attribute__((always_inline)) void dot_row(const uint8_t *w, cons
 }
 
 // x [M, K] (fp32, or bf16 when is_bf16) -> y [M, N] fp32. w uint8 [N, K/2]; scales, zeros fp32 [N, K/group_size]
-// (zeros NULL: symmetric, zu = 8).
+// (zeros NULL: symmetric, zu = 8). num_threads: torch.get_num_threads() of the caller.
 // Requires K % 32 == 0, group_size % 32 == 0, K % group_size == 0, group_size <= 4096. Returns 0, or -1 on bad input.
 int ascq_w4a16_mm(const void *x, int is_bf16, const uint8_t *w, const float *scales, const float *zeros, float *y,
-                  int num_rows, int n, int k, int group_size) {
-    if (k % 32 || group_size % 32 || k % group_size || group_size > 4096 || num_rows < 1) return -1;
+                  int num_rows, int n, int k, int group_size, int num_threads) {
+    if (k % 32 || group_size % 32 || k % group_size || group_size > 4096 || num_rows < 1 || num_threads < 1)
+        return -1;
     int num_groups = k / group_size;
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)num_rows * k);
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)num_rows * num_groups);
@@ -106,7 +107,7 @@ int ascq_w4a16_mm(const void *x, int is_bf16, const uint8_t *w, const float *sca
     for (int m = 0; m < num_rows; m++)
         quantize_row((const char *)x + m * row_bytes * k, is_bf16, k, group_size, xq + (size_t)m * k, xscale + m,
                      xsum + (size_t)m * num_groups);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int j = 0; j < n; j++) {
         for (int m0 = 0; m0 < num_rows; m0 += MAX_ROWS) {
             int rows = num_rows - m0 < MAX_ROWS ? num_rows - m0 : MAX_ROWS;
