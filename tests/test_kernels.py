@@ -37,6 +37,8 @@ LINEAR_CASES = [
     ("w8a16", 48, 256, None, True),
     ("w8a16", 40, 200, None, False),
     ("w8a16", 32, 384, 64, True),
+    ("w8a16", 37, 320, None, False),
+    ("w8a16", 24, 4160, 4160, True),  # per channel wider than the native kernel's largest 8-bit group
     ("w4a8_dynamic", 48, 256, None, True),
     ("w4a8_dynamic", 40, 200, None, True),
 ]
@@ -148,10 +150,11 @@ def test_cpu_linear_works_after_use_under_inference_mode():
 @pytest.mark.parametrize(
     "scheme, group_size, dtype, kernel",
     [
-        ("w4a16", 32, torch.bfloat16, "int4native"),
-        ("w4a16", None, torch.bfloat16, "int4native"),
+        ("w4a16", 32, torch.bfloat16, "native"),
+        ("w4a16", None, torch.bfloat16, "native"),
         ("w4a16", 32, torch.float32, "dequant"),
-        ("w8a16", None, torch.bfloat16, "int8pack"),
+        ("w8a16", None, torch.bfloat16, "native"),
+        ("w8a16", 64, torch.bfloat16, "native"),
         ("w8a8_dynamic", None, torch.float32, "fbgemm"),
         ("w8a8_static", None, torch.bfloat16, "fbgemm"),
         ("w4a8_dynamic", None, torch.bfloat16, "fbgemm"),
@@ -168,15 +171,18 @@ def test_cpu_backend_picks_the_fast_kernels(scheme, group_size, dtype, kernel):
         assert prepared.weight is None  # 4-bit kernels keep only their packed copy
 
 
-def test_w4a16_falls_back_to_int4pack_without_the_native_kernel(monkeypatch):
-    """Where the native kernel cannot build (no compiler, no AVX2), torch's int4pack kernel serves bf16 W4A16."""
+@pytest.mark.parametrize(("scheme", "group_size", "symmetric", "kernel"),
+                         [("w4a16", 64, False, "int4pack"), ("w8a16", None, True, "int8pack")])
+def test_weight_only_falls_back_to_torch_kernels_without_the_native_kernel(monkeypatch, scheme, group_size,
+                                                                           symmetric, kernel):
+    """Where the native kernel cannot build (no compiler, no AVX2), torch's int4pack / int8pack kernels serve bf16."""
     from ascq.kernels import native
 
     monkeypatch.setattr(native, "load", lambda: None)
     cpu, ref = get_backend("cpu"), get_backend("reference")
-    w = make_weights("w4a16", 48, 256, 64, symmetric=False)
+    w = make_weights(scheme, 48, 256, group_size, symmetric=symmetric)
     prepared = cpu.prepare_linear(w, torch.bfloat16)
-    assert prepared.kernel == "int4pack"
+    assert prepared.kernel == kernel
     for num_rows in (1, 260):
         x = torch.randn(num_rows, 256).bfloat16()
         assert rel_error(cpu.linear(x, prepared), ref.linear(x, ref.prepare_linear(w, torch.bfloat16))) < 2e-2
@@ -196,10 +202,10 @@ def test_native_w4_packing_round_trips_and_builds_into_its_cache_dir(tmp_path):
     x, scales = torch.randn(3, 96).bfloat16(), torch.rand(5, 3)
     try:
         torch.set_num_threads(1)
-        one_thread = native.w4a16_mm(lib, x, packed, scales, None, 32)
+        one_thread = native.weight_only_mm(lib, x, packed, 4, scales, None, 32)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one_thread, native.w4a16_mm(lib, x, packed, scales, None, 32))  # rows split, never sums
+    assert torch.equal(one_thread, native.weight_only_mm(lib, x, packed, 4, scales, None, 32))  # rows split, never sums
     code = "from ascq.kernels import native; assert native.load() is not None"
     env = {**__import__("os").environ, "ASCQ_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)

@@ -3,10 +3,11 @@
 Paths (thresholds from `python benchmarks/kernels.py`; table in the README "Kernels" section):
 - `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2), so from M >= DENSE_BF16_MAX_M the bf16
   weight is copied into an fp32 workspace and multiplied in fp32.
-- `int4native` (w4a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via replicated
-  scales): ascq's AVX2 kernel (w4a16_gemv.c via native.py; activations as per-token 16-bit fixed point, 16 weights
-  per madd) below NATIVE_MAX_M, 1.5-2.5x torch's int4pack at M=1; from there dequantize + fp32 GEMM from the packed
-  copy. Used when the kernel builds here (a C compiler, x86-64 with AVX2/FMA), else:
+- `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
+  replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as per-token
+  16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, 1.5-2.5x torch's int4pack at M=1; from there
+  dequantize + fp32 GEMM (4 bits: from the packed copy). Used when the kernel builds here (a C compiler, x86-64 with
+  AVX2/FMA), else int4pack / int8pack:
 - `int4pack` (w4a16, out % 16 == 0, group 32/64/128/256, or per channel with in % 32 == 0 via replicated scales):
   aten._weight_int4pack_mm_for_cpu with bf16 activations below INT4PACK_MAX_M; from there dequantize + fp32 GEMM
   is faster (1.7x at M=512), unpacking the int4pack copy itself (its layout is checked per layer at load; only if
@@ -42,7 +43,6 @@ __all__ += ["write_kv_cache"]
 DENSE_BF16_MAX_M = 8
 INT4PACK_MAX_M = 256
 NATIVE_MAX_M = 128
-NATIVE_MAX_GROUP = 4096  # the kernel's int32 partial sums are exact up to this group size
 INT8PACK_MAX_M = 64
 FBGEMM_SPLIT_MAX_M = 256
 INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
@@ -62,16 +62,16 @@ def _fp32_workspace(rows: int, cols: int) -> torch.Tensor:
 
 @dataclass
 class CpuLinear:
-    kernel: str  # dense | int4native | int4pack | int8pack | fbgemm | dequant
+    kernel: str  # dense | native | int4pack | int8pack | fbgemm | dequant
     weights: QuantLinearWeights  # scheme and input qparams; its weight is on the meta device
     out_features: int
     weight: torch.Tensor | None  # dense: float; else int8 [out, in] for the dequant path (None: unused)
     scale: torch.Tensor | None = None  # fp32 [out, groups]
     zero: torch.Tensor | None = None  # fp32 [out, groups]
-    packed: Any = None  # int4native / int4pack uint8 | fbgemm packed params
+    packed: Any = None  # native: pack_w4 uint8 or the int8 weight | int4pack uint8 | fbgemm packed params
     packed_group_size: int = 0
-    packed_scales: torch.Tensor | None = None  # int4native fp32 [out, groups] | int4pack scales_and_zeros | int8pack
-    packed_zeros: torch.Tensor | None = None  # int4native: zero point + 8, fp32 [out, groups] (None: symmetric)
+    packed_scales: torch.Tensor | None = None  # native fp32 [out, groups] | int4pack scales_and_zeros | int8pack
+    packed_zeros: torch.Tensor | None = None  # native: zero point (+ 8 at 4 bits), fp32 [out, groups] (None: symmetric)
     bias: torch.Tensor | None = None  # fp32
 
 
@@ -85,11 +85,12 @@ def _int4pack_group_size(w: QuantLinearWeights) -> int | None:
 
 def _native_group_size(w: QuantLinearWeights) -> int | None:
     """The group size the native kernel runs `w` with (per channel: the largest fitting divisor of in_features)."""
+    max_group = native.MAX_GROUP_SIZE[w.num_bits]
     if w.in_features % 32:
         return None
     if w.group_size is not None and w.group_size != w.in_features:
-        return w.group_size if w.group_size % 32 == 0 and w.group_size <= NATIVE_MAX_GROUP else None
-    return next(g for g in range(min(w.in_features, NATIVE_MAX_GROUP), 0, -32) if w.in_features % g == 0)
+        return w.group_size if w.group_size % 32 == 0 and w.group_size <= max_group else None
+    return next(g for g in range(min(w.in_features, max_group), 0, -32) if w.in_features % g == 0)
 
 
 def _choose_kernel(w: QuantLinearWeights, dtype: torch.dtype) -> str:
@@ -100,8 +101,8 @@ def _choose_kernel(w: QuantLinearWeights, dtype: torch.dtype) -> str:
         return "fbgemm" if per_channel else "dequant"
     if dtype != torch.bfloat16:
         return "dequant"
-    if w.scheme == "w4a16" and _native_group_size(w) is not None and native.load() is not None:
-        return "int4native"
+    if w.scheme in ("w4a16", "w8a16") and _native_group_size(w) is not None and native.load() is not None:
+        return "native"
     if w.scheme == "w4a16" and _int4pack_group_size(w) is not None:
         return "int4pack"
     if w.scheme == "w8a16" and per_channel and w.weight_zero_point is None:
@@ -125,15 +126,16 @@ def _prepare_int4pack(p: CpuLinear) -> None:
     p.packed_scales = torch.stack([scale.T, (-zero * scale).T], dim=-1).to(torch.bfloat16).contiguous()
 
 
-def _prepare_int4native(p: CpuLinear) -> None:
-    group_size = _native_group_size(p.weights)
+def _prepare_native(p: CpuLinear) -> None:
+    bits, group_size = p.weights.num_bits, _native_group_size(p.weights)
     repeats = p.weights.in_features // group_size // p.scale.shape[1]
-    p.packed = native.pack_w4(p.weight)
+    p.packed = native.pack_w4(p.weight) if bits == 4 else p.weight
     p.packed_group_size = group_size
     p.packed_scales = p.scale if repeats == 1 else p.scale.repeat_interleave(repeats, 1).contiguous()
     if p.zero is not None:
-        p.packed_zeros = (p.zero.repeat_interleave(repeats, 1) + 8).contiguous()
-    p.weight = None  # large M dequantizes from the packed copy
+        p.packed_zeros = (p.zero.repeat_interleave(repeats, 1) + (8 if bits == 4 else 0)).contiguous()
+    if bits == 4:
+        p.weight = None  # large M dequantizes from the packed copy
 
 
 def _prepare_fbgemm(p: CpuLinear) -> None:
@@ -159,8 +161,8 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
     p = CpuLinear(
         kernel, meta, w.out_features, w.weight.contiguous(), w.weight_scale.float(), zero, bias=bias
     )
-    if kernel == "int4native":
-        _prepare_int4native(p)
+    if kernel == "native":
+        _prepare_native(p)
     elif kernel == "int4pack":
         _prepare_int4pack(p)
         if _unpacks_exactly(p):
@@ -196,7 +198,7 @@ def _unpacks_exactly(p: CpuLinear) -> bool:
 
 def _dequantized(p: CpuLinear) -> torch.Tensor:
     buf = _fp32_workspace(p.out_features, p.weights.in_features)
-    if p.weight is None and p.kernel == "int4native":
+    if p.weight is None and p.kernel == "native":
         native.unpack_w4_into(p.packed, buf)
     elif p.weight is None:
         _unpack_int4pack_into(p, buf)
@@ -231,10 +233,12 @@ def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     return y if p.bias is None else y + p.bias
 
 
-def _int4native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+def _native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= NATIVE_MAX_M:
         return _dequant_linear(x, p)
-    y = native.w4a16_mm(native.load(), x, p.packed, p.packed_scales, p.packed_zeros, p.packed_group_size)
+    y = native.weight_only_mm(
+        native.load(), x, p.packed, p.weights.num_bits, p.packed_scales, p.packed_zeros, p.packed_group_size
+    )
     return y if p.bias is None else y + p.bias
 
 
@@ -272,7 +276,7 @@ def _fbgemm_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
 
 _LINEARS = {
     "dense": _dense_linear,
-    "int4native": _int4native_linear,
+    "native": _native_linear,
     "int4pack": _int4pack_linear,
     "int8pack": _int8pack_linear,
     "fbgemm": _fbgemm_linear,

@@ -1,4 +1,4 @@
-"""ascq's one native CPU kernel (w4a16_gemv.c), compiled with the system C compiler on first use and loaded via ctypes.
+"""ascq's one native CPU kernel (weight_only_mm.c: W4A16 / W8A16), compiled with the system C compiler on first use and loaded via ctypes.
 
 No torch headers are needed (the kernel takes raw pointers), so a compile takes about a second. The shared object is
 cached under $ASCQ_CACHE_DIR (default ~/.cache/ascq/kernels), named by a hash of source, flags and compiler, and
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("w4a16_gemv.c")
+SOURCE = Path(__file__).with_name("weight_only_mm.c")
+MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -37,7 +38,7 @@ def _cache_dir() -> Path:
 def _compile(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"w4a16_gemv-{key}.so"
+    target = _cache_dir() / f"weight_only_mm-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -71,8 +72,9 @@ def load() -> ctypes.CDLL | None:
         return None
     if not lib.ascq_cpu_supported():
         return None
-    lib.ascq_w4a16_mm.restype = ctypes.c_int
-    lib.ascq_w4a16_mm.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    lib.ascq_weight_only_mm.restype = ctypes.c_int
+    lib.ascq_weight_only_mm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.ascq_weight_only_mm.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     return lib
 
 
@@ -92,19 +94,19 @@ def unpack_w4_into(packed: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return buf.sub_(8)
 
 
-def w4a16_mm(
-    lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-    group_size: int,
+def weight_only_mm(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bits: int, scales: torch.Tensor,
+    zeros: torch.Tensor | None, group_size: int,
 ) -> torch.Tensor:
-    """x [M, K] bf16 or fp32 -> fp32 [M, N]; scales and zeros (zero point + 8; None: symmetric) contiguous fp32
-    [N, K/group_size]."""
+    """x [M, K] bf16 or fp32 -> fp32 [M, N]. weight: `pack_w4` output (bits 4) or int8 [N, K] (bits 8); scales and
+    zeros (4 bits: zero point + 8; None: symmetric) contiguous fp32 [N, K/group_size]."""
     x = x.contiguous()
-    y = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
-    status = lib.ascq_w4a16_mm(
-        x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), scales.data_ptr(),
-        None if zeros is None else zeros.data_ptr(),
-        y.data_ptr(), x.shape[0], packed.shape[0], x.shape[1], group_size, torch.get_num_threads(),
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    status = lib.ascq_weight_only_mm(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(), bits, scales.data_ptr(),
+        None if zeros is None else zeros.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1],
+        group_size, torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"w4a16 kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
+        raise ValueError(f"{bits}-bit kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
     return y
