@@ -325,6 +325,55 @@ def test_paged_attention_matches_contiguous_sdpa(backend, block_size, dtype, kv,
         assert rel_error(out[rows], expected) < tolerance, f"sequence {s}"
 
 
+@pytest.mark.parametrize("native_available", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, FP8], ids=str)
+def test_cpu_decode_attention_native_and_torch_paths(monkeypatch, cache_dtype, native_available):
+    """The cpu backend's decode rows: the native kernel reads the cache in place (torch's path must not run), or
+    torch's gather path where the kernel cannot build; both against contiguous SDPA."""
+    from ascq.kernels import native, paged_sdpa
+
+    cpu = get_backend("cpu")
+    if native_available:
+        def must_not_run(*args):
+            raise AssertionError("torch decode path used although the native kernel is available")
+
+        monkeypatch.setattr(paged_sdpa, "_attend_decode", must_not_run)
+    else:
+        monkeypatch.setattr(native, "load", lambda: None)
+    num_heads, num_kv_heads, head_dim, scale, k_scale, v_scale = 12, 3, 40, 0.15, 0.5, 0.25
+    dtype = torch.float32 if cache_dtype in (torch.float32, FP8) else cache_dtype
+    k_cache, v_cache, block_tables, keys, values = build_paged_batch(
+        cpu, DECODE_BATCH, 16, num_kv_heads, head_dim, cache_dtype, k_scale, v_scale
+    )
+    query = torch.randn(len(DECODE_BATCH), num_heads, head_dim).to(dtype)
+    seq_lens = torch.tensor([n for _, n in DECODE_BATCH], dtype=torch.int32)
+    query_start_loc = torch.arange(len(DECODE_BATCH) + 1, dtype=torch.int32)
+    out = cpu.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
+                              v_scale)
+    assert out.dtype == dtype
+    for s in range(len(DECODE_BATCH)):
+        if cache_dtype == FP8:
+            k, v = fp8_round_trip(keys[s], k_scale), fp8_round_trip(values[s], v_scale)
+        else:
+            k, v = keys[s].to(cache_dtype).float(), values[s].to(cache_dtype).float()
+        expected = contiguous_attention(query[s:s + 1].float(), k, v, scale)
+        assert rel_error(out[s:s + 1], expected) < (1e-5 if dtype == torch.float32 else 2e-2), f"sequence {s}"
+
+
+def test_native_decode_attention_rejects_block_ids_outside_the_cache():
+    from ascq.kernels import native
+
+    lib = native.load()
+    cache = torch.zeros(4, 16, 2, 32)
+    query = torch.randn(1, 4, 32)
+    with pytest.raises(ValueError, match="out of range"):
+        native.paged_decode_attention(lib, query, cache, cache, torch.tensor([[1, 4]], dtype=torch.int32),
+                                      torch.tensor([20], dtype=torch.int32), 0.2, 1.0, 1.0)
+    with pytest.raises(ValueError, match="out of range"):  # longer than its block table
+        native.paged_decode_attention(lib, query, cache, cache, torch.tensor([[1]], dtype=torch.int32),
+                                      torch.tensor([17], dtype=torch.int32), 0.2, 1.0, 1.0)
+
+
 @pytest.mark.parametrize("backend", ("reference",) + FAST_BACKENDS)
 def test_fp8_cache_stores_scaled_values_and_leaves_other_slots(backend):
     kernels = get_backend(backend)

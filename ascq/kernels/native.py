@@ -1,6 +1,7 @@
-"""ascq's one native CPU kernel (weight_only_mm.c: W4A16 / W8A16), compiled with the system C compiler on first use and loaded via ctypes.
+"""ascq's native CPU kernels (weight_only_mm.c: W4A16 / W8A16 matmul; paged_decode_attention.c), compiled with the
+system C compiler on first use into one shared library and loaded via ctypes.
 
-No torch headers are needed (the kernel takes raw pointers), so a compile takes about a second. The shared object is
+No torch headers are needed (the kernels take raw pointers), so a compile takes about a second. The shared object is
 cached under $ASCQ_CACHE_DIR (default ~/.cache/ascq/kernels), named by a hash of source, flags and compiler, and
 written to a temporary file then renamed, so concurrent first uses never load a half-written library. It links
 OpenMP by its soname, libgomp.so.1: the copy torch has already loaded is the one used, so the kernel shares torch's
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("weight_only_mm.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("weight_only_mm.c", "paged_decode_attention.c")]
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
@@ -37,15 +38,17 @@ def _cache_dir() -> Path:
 
 def _compile(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"weight_only_mm-{key}.so"
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, version]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"ascq_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+        command = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp]
+        subprocess.run(command, capture_output=True, text=True, check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -75,6 +78,10 @@ def load() -> ctypes.CDLL | None:
     lib.ascq_weight_only_mm.restype = ctypes.c_int
     lib.ascq_weight_only_mm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.ascq_weight_only_mm.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    lib.ascq_paged_decode_attention.restype = ctypes.c_int
+    lib.ascq_paged_decode_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
+    lib.ascq_paged_decode_attention.argtypes += [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
+    lib.ascq_paged_decode_attention.argtypes += [ctypes.c_float] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     return lib
 
 
@@ -110,3 +117,29 @@ def weight_only_mm(
     if status != 0:
         raise ValueError(f"{bits}-bit kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
     return y
+
+
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
+_FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def paged_decode_attention(
+    lib: ctypes.CDLL, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float,
+) -> torch.Tensor:
+    """query [B, H, D], one token per sequence at its last position -> fp32 [B, H, D] (see paged_decode_attention.c);
+    caches [num_blocks, block_size, Hkv, D] of a dtype in CACHE_DTYPES."""
+    query = query.float().contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    out = torch.empty_like(query)
+    status = lib.ascq_paged_decode_attention(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPES[k_cache.dtype], num_blocks,
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), query.shape[0], query.shape[1], num_kv_heads,
+        head_dim, block_size, scale, float(k_scale), float(v_scale), _FP8_VALUES.data_ptr(), out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError("paged decode attention rejected its inputs (sequence lengths or block ids out of range)")
+    return out

@@ -9,6 +9,8 @@ every device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -108,14 +110,16 @@ def paged_attention(
     scale: float,
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
+    attend_decode: Callable[..., torch.Tensor] = _attend_decode,
 ) -> torch.Tensor:
+    """`attend_decode` serves the one-token rows (same arguments as `_attend_decode`); a backend may bring its own."""
     device = query.device
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
     query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
     if all(n == 1 for n in query_lens):  # pure decode step: no scatter back needed
         lens = seq_lens.to(device=device, dtype=torch.long)
-        return _attend_decode(query, k_cache, v_cache, block_tables.to(device), lens, scale, k_scale, v_scale)
+        return attend_decode(query, k_cache, v_cache, block_tables.to(device), lens, scale, k_scale, v_scale)
     out = torch.empty_like(query)
     decode = [s for s, n in enumerate(query_lens) if n == 1]
     if decode:
@@ -123,7 +127,7 @@ def paged_attention(
         rows = torch.tensor([starts[s] for s in decode], device=device)
         tables = block_tables.to(device)[index]
         lens = seq_lens.to(device=device, dtype=torch.long)[index]
-        out[rows] = _attend_decode(query[rows], k_cache, v_cache, tables, lens, scale, k_scale, v_scale)
+        out[rows] = attend_decode(query[rows], k_cache, v_cache, tables, lens, scale, k_scale, v_scale)
     for s, query_len in enumerate(query_lens):
         if query_len > 1:
             rows = slice(starts[s], starts[s] + query_len)

@@ -1,0 +1,114 @@
+// Decode attention (one query token per sequence) straight from the paged KV cache, compiled with
+// weight_only_mm.c by ascq/kernels/native.py.
+//
+// Why it exists: in torch the decode step gathers every sequence's context into padded [B, L, Hkv, D] copies, then
+// transposes them for the batched products; at batch 64 that copying is most of a tiny model's step time (measured).
+// Here each (sequence, kv head) walks its own block table once for K and once for V, reading rows in place.
+// Math as in paged_sdpa._attend_decode: fp32 throughout, fp8 rows times their per-layer scale, softmax in fp32.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_F16 = 2, CACHE_FP8 = 3 };
+
+// Row `offset` (in elements) of a cache as fp32 values times `scale` (scale used for fp8 only): the row itself for
+// an fp32 cache, else converted into `buffer`.
+static const float *load_row(const void *cache, int dtype, size_t offset, int head_dim, const float *fp8_values,
+                             float scale, float *restrict buffer) {
+    if (dtype == CACHE_F32) return (const float *)cache + offset;
+    if (dtype == CACHE_BF16) {
+        const uint16_t *row = (const uint16_t *)cache + offset;
+        int i = 0;
+        for (; i + 8 <= head_dim; i += 8) {
+            __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
+            _mm256_storeu_ps(buffer + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+        }
+        for (; i < head_dim; i++) {
+            uint32_t bits = (uint32_t)row[i] << 16;
+            memcpy(buffer + i, &bits, sizeof bits);
+        }
+    } else if (dtype == CACHE_F16) {
+        const uint16_t *row = (const uint16_t *)cache + offset;
+        for (int i = 0; i < head_dim; i++) buffer[i] = _cvtsh_ss(row[i]);
+    } else {
+        const uint8_t *row = (const uint8_t *)cache + offset;
+        for (int i = 0; i < head_dim; i++) buffer[i] = fp8_values[row[i]] * scale;
+    }
+    return buffer;
+}
+
+// One sequence, one kv head: its `group` query heads attend over the first seq_len cache positions.
+static void attend_one(const float *query, const void *k_cache, const void *v_cache, int dtype,
+                       const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int group,
+                       int head_dim, int block_size, float scale, float k_scale, float v_scale,
+                       const float *fp8_values, float *scores, float *row, float *out) {
+    for (int pos = 0; pos < seq_len; pos++) {
+        size_t slot = (size_t)block_table[pos / block_size] * block_size + pos % block_size;
+        const float *key = load_row(k_cache, dtype, (slot * num_kv_heads + kv_head) * head_dim, head_dim, fp8_values,
+                                    k_scale, row);
+        for (int g = 0; g < group; g++) {
+            const float *q = query + (size_t)g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int i = 0; i < head_dim; i++) dot += q[i] * key[i];
+            scores[(size_t)g * seq_len + pos] = dot * scale;
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *s = scores + (size_t)g * seq_len, peak = -INFINITY, total = 0.f;
+        for (int pos = 0; pos < seq_len; pos++) peak = fmaxf(peak, s[pos]);
+        for (int pos = 0; pos < seq_len; pos++) total += (s[pos] = expf(s[pos] - peak));
+        for (int pos = 0; pos < seq_len; pos++) s[pos] /= total;
+    }
+    memset(out, 0, sizeof(float) * group * head_dim);
+    for (int pos = 0; pos < seq_len; pos++) {
+        size_t slot = (size_t)block_table[pos / block_size] * block_size + pos % block_size;
+        const float *value = load_row(v_cache, dtype, (slot * num_kv_heads + kv_head) * head_dim, head_dim,
+                                      fp8_values, v_scale, row);
+        for (int g = 0; g < group; g++) {
+            float p = scores[(size_t)g * seq_len + pos], *o = out + (size_t)g * head_dim;
+#pragma omp simd
+            for (int i = 0; i < head_dim; i++) o[i] += p * value[i];
+        }
+    }
+}
+
+// query fp32 [B, H, D] -> out fp32 [B, H, D]. Caches [num_blocks, block_size, Hkv, D] of `cache_dtype`
+// (fp8: e4m3 bytes decoded through fp8_values[256]); block_tables int32 [B, max_blocks] of blocks below
+// num_cache_blocks; seq_lens int32 [B] >= 1.
+// Returns 0, or -1 on bad input.
+int ascq_paged_decode_attention(const float *query, const void *k_cache, const void *v_cache, int cache_dtype,
+                                int num_cache_blocks, const int32_t *block_tables, int max_blocks,
+                                const int32_t *seq_lens, int num_seqs,
+                                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                                float k_scale, float v_scale, const float *fp8_values, float *out, int num_threads) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || cache_dtype < 0 || cache_dtype > 3 || num_threads < 1)
+        return -1;
+    for (int b = 0; b < num_seqs; b++) {
+        if (seq_lens[b] < 1 || seq_lens[b] > max_blocks * block_size) return -1;
+        for (int i = 0; i < (seq_lens[b] + block_size - 1) / block_size; i++) {
+            int32_t block = block_tables[(size_t)b * max_blocks + i];
+            if (block < 0 || block >= num_cache_blocks) return -1;
+        }
+    }
+    int group = num_heads / num_kv_heads, failed = 0;
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads) reduction(| : failed)
+    for (int b = 0; b < num_seqs; b++) {
+        for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
+            float *scores = malloc(sizeof(float) * ((size_t)group * seq_lens[b] + head_dim));
+            if (!scores) {
+                failed = 1;
+                continue;
+            }
+            size_t first_head = (size_t)b * num_heads + (size_t)kv_head * group;
+            attend_one(query + first_head * head_dim, k_cache, v_cache, cache_dtype,
+                       block_tables + (size_t)b * max_blocks, seq_lens[b], num_kv_heads, kv_head, group, head_dim,
+                       block_size, scale, k_scale, v_scale, fp8_values, scores,
+                       scores + (size_t)group * seq_lens[b], out + first_head * head_dim);
+            free(scores);
+        }
+    }
+    return failed ? -1 : 0;
+}
