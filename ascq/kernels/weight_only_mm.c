@@ -53,11 +53,10 @@ static void quantize_row(const void *x, int is_bf16, int k, int group_size, int1
 // Sixteen-bit weights [32] of run i (weight index i .. i+31 of the row) as two vectors of 16.
 static inline __attribute__((always_inline)) void load_run(const uint8_t *w, int i, int bits, __m256i *first,
                                                           __m256i *second) {
-    if (bits == 4) {
-        const __m128i low_mask = _mm_set1_epi8(0x0f);
-        __m128i packed = _mm_loadu_si128((const __m128i *)(w + i / 2));
-        *first = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low_mask));
-        *second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));
+    if (bits == 4) {  // one widening per 32 weights: 16-bit lanes hold a whole byte, then split its nibbles
+        __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + i / 2)));
+        *first = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+        *second = _mm256_srli_epi16(bytes, 4);
     } else {
         *first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i)));
         *second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i + 16)));
