@@ -206,6 +206,8 @@ def test_native_w4_packing_round_trips_and_builds_into_its_cache_dir(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one_thread, native.weight_only_mm(lib, x, packed, 4, scales, None, 32))  # rows split, never sums
+    transposed = scales.T.contiguous().T  # same values, column-major: the wrapper must hand the kernel rows
+    assert torch.equal(one_thread, native.weight_only_mm(lib, x.float(), packed, 4, transposed, None, 32))
     code = "from ascq.kernels import native; assert native.load() is not None"
     env = {**__import__("os").environ, "ASCQ_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)

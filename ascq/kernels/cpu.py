@@ -133,7 +133,7 @@ def _prepare_native(p: CpuLinear) -> None:
     repeats = p.weights.in_features // group_size // p.scale.shape[1]
     p.packed = native.pack_w4(p.weight) if bits == 4 else p.weight
     p.packed_group_size = group_size
-    p.packed_scales = p.scale if repeats == 1 else p.scale.repeat_interleave(repeats, 1).contiguous()
+    p.packed_scales = p.scale.repeat_interleave(repeats, 1) if repeats > 1 else p.scale.contiguous()
     if p.zero is not None:
         p.packed_zeros = (p.zero.repeat_interleave(repeats, 1) + (8 if bits == 4 else 0)).contiguous()
     if bits == 4:
@@ -314,7 +314,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """paged_sdpa's attention; one-token (decode) rows read the cache in place through the native kernel when it
     builds here (at batch 64 it replaces torch's padded gathers and transposes, most of a small model's step)."""
-    native_decode = native.load() is not None and k_cache.dtype in native.CACHE_DTYPES
+    same_dtype = k_cache.dtype == v_cache.dtype
+    native_decode = native.load() is not None and k_cache.dtype in native.CACHE_DTYPES and same_dtype
     return paged_sdpa.paged_attention(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
         attend_decode=_native_attend_decode if native_decode else paged_sdpa._attend_decode,

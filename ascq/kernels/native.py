@@ -107,7 +107,9 @@ def weight_only_mm(
 ) -> torch.Tensor:
     """x [M, K] bf16 or fp32 -> fp32 [M, N]. weight: `pack_w4` output (bits 4) or int8 [N, K] (bits 8); scales and
     zeros (4 bits: zero point + 8; None: symmetric) contiguous fp32 [N, K/group_size]."""
-    x = x.contiguous()
+    x = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
+    weight, scales = weight.contiguous(), scales.float().contiguous()
+    zeros = None if zeros is None else zeros.float().contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     status = lib.ascq_weight_only_mm(
         x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(), bits, scales.data_ptr(),
@@ -130,6 +132,7 @@ def paged_decode_attention(
     """query [B, H, D], one token per sequence at its last position -> fp32 [B, H, D] (see paged_decode_attention.c);
     caches [num_blocks, block_size, Hkv, D] of a dtype in CACHE_DTYPES."""
     query = query.float().contiguous()
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # no-ops for the engine's caches
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
