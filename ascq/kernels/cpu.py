@@ -21,8 +21,7 @@ Paths (thresholds from `python benchmarks/kernels.py`; table in the README "Kern
 - `dequant`: everything else (fp32 activations for weight-only schemes, group sizes the kernels lack) and large M:
   dequantize into an fp32 workspace and run an fp32 GEMM on the (fake-quantized) activations.
 The fp32 workspace is one module-level buffer grown to the largest layer: the backend is single-threaded.
-Attention: paged_sdpa's, except that decode rows read the paged cache in place through the native kernel
-(paged_decode_attention.c) when it builds here: 3-5x torch's gather + batched products at batch 16-64 (measured).
+Attention: cpu_attention.py (paged_sdpa's, with decode rows read in place by the native kernel).
 """
 
 from __future__ import annotations
@@ -35,7 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ascq.kernels import QuantLinearWeights, moe, native, paged_sdpa
+from ascq.kernels import QuantLinearWeights, moe, native
+from ascq.kernels.cpu_attention import paged_attention
 from ascq.kernels.paged_sdpa import write_kv_cache
 from ascq.kernels.reference import fake_quantize_input, quantize_per_token, select_experts
 
@@ -292,34 +292,6 @@ def linear(x: torch.Tensor, prepared: CpuLinear) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], prepared.out_features)
     y = _LINEARS[prepared.kernel](rows, prepared)
     return y.to(x.dtype).reshape(*x.shape[:-1], prepared.out_features)
-
-
-def _native_attend_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale) -> torch.Tensor:
-    out = native.paged_decode_attention(
-        native.load(), query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
-    )
-    return out.to(query.dtype)
-
-
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    k_scale: float | torch.Tensor = 1.0,
-    v_scale: float | torch.Tensor = 1.0,
-) -> torch.Tensor:
-    """paged_sdpa's attention; one-token (decode) rows read the cache in place through the native kernel when it
-    builds here (at batch 64 it replaces torch's padded gathers and transposes, most of a small model's step)."""
-    same_dtype = k_cache.dtype == v_cache.dtype
-    native_decode = native.load() is not None and k_cache.dtype in native.CACHE_DTYPES and same_dtype
-    return paged_sdpa.paged_attention(
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
-        attend_decode=_native_attend_decode if native_decode else paged_sdpa._attend_decode,
-    )
 
 
 def prepare_experts(
