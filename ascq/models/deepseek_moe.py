@@ -9,6 +9,7 @@ Module and parameter names are the Hugging Face tensor names, so `state_dict()` 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,6 +19,9 @@ from torch import nn
 
 from ascq.errors import AscqError
 from ascq.models.deepseek_config import DeepseekConfig
+
+# kv_hook(key, value) -> (key, value) on post-RoPE keys/values [batch, kv_heads, seq, head_dim] (calibration, fp8 KV)
+KVHook = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 __all__ = ["DeepseekConfig", "DeepseekDecoderLayer", "DeepseekForCausalLM", "DeepseekMoE", "load_deepseek"]
 
@@ -62,7 +66,7 @@ class DeepseekAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -70,6 +74,8 @@ class DeepseekAttention(nn.Module):
         cos, sin = rotary_cos_sin(self.config, position_ids.expand(batch, seq), x.dtype)
         cos, sin = cos[:, None], sin[:, None]
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if kv_hook is not None:
+            k, v = kv_hook(k, v)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -155,8 +161,10 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids)
+    def forward(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids, kv_hook)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 

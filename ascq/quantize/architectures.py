@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,8 @@ import torch
 from torch import nn
 
 from ascq.errors import AscqError, UnsupportedError
+from ascq.models.deepseek_moe import KVHook
 
-# kv_hook(key, value) -> (key, value): sees post-RoPE keys and values [batch, kv_heads, seq, head_dim]
-KVHook = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LLAMA_FAMILY = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "deepseek")
 QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
@@ -122,27 +120,7 @@ class DeepseekMoEArch(Architecture):
         return DeepseekDecoderLayer(self.ds_config, index)
 
     def forward_layer(self, layer, hidden, position_ids, kv_hook=None):
-        if kv_hook is None:
-            return layer(hidden, position_ids)
-        hidden = hidden + self._attention(layer.self_attn, layer.input_layernorm(hidden), position_ids, kv_hook)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-    def _attention(self, attn: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook) -> torch.Tensor:
-        """DeepseekAttention.forward with the post-RoPE keys/values passed through `kv_hook`."""
-        from ascq.models.deepseek_moe import rotary_cos_sin, rotate_half
-
-        batch, seq, _ = x.shape
-        q = attn.q_proj(x).view(batch, seq, attn.num_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, seq, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(batch, seq, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-        cos, sin = rotary_cos_sin(self.ds_config, position_ids.expand(batch, seq), x.dtype)
-        cos, sin = cos[:, None], sin[:, None]
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        k, v = kv_hook(k, v)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=attn.num_kv_heads != attn.num_heads
-        )
-        return attn.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return layer(hidden, position_ids, kv_hook)
 
 
 def load_architecture(model_dir: Path) -> Architecture:
