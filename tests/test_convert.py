@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from transformers_check import assert_transformers_matches_reference
 
 from ascq.evaluate import eval_windows, load_eval_token_ids, perplexity
 from ascq.quantize.reference_forward import reference_logits
@@ -68,17 +69,8 @@ def _eval_ids(model_dir, num_windows: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipes", [("w8a8",), ("w4a16-rtn",), ("w8a8", "fp8-kv")], ids="+".join)
 def test_transformers_loads_and_matches_reference_forward(converted_entry, tiny_llama_dir, recipes):
-    from transformers import AutoModelForCausalLM
-
     entry = converted_entry(tiny_llama_dir, recipes)
-    ids = _eval_ids(tiny_llama_dir, 4)  # 4 x 256 = 1024 positions
-    model = AutoModelForCausalLM.from_pretrained(entry, dtype=torch.float32)
-    with torch.no_grad():
-        hf_logits = model(ids).logits
-    ours = reference_logits(entry, ids)
-    logit_range = (ours.max() - ours.min()).item()
-    assert (hf_logits - ours).abs().max().item() <= 1e-3 * logit_range
-    assert (hf_logits.argmax(-1) == ours.argmax(-1)).float().mean().item() >= 0.99
+    assert_transformers_matches_reference(entry, tiny_llama_dir)  # 4 x 256 = 1024 positions
 
 
 @pytest.mark.slow
