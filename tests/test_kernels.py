@@ -189,6 +189,7 @@ def test_weight_only_falls_back_to_torch_kernels_without_the_native_kernel(monke
 
 
 def test_native_w4_packing_round_trips_and_builds_into_its_cache_dir(tmp_path):
+    import os
     import subprocess
     import sys
 
@@ -209,7 +210,7 @@ def test_native_w4_packing_round_trips_and_builds_into_its_cache_dir(tmp_path):
     transposed = scales.T.contiguous().T  # same values, column-major: the wrapper must hand the kernel rows
     assert torch.equal(one_thread, native.weight_only_mm(lib, x.float(), packed, 4, transposed, None, 32))
     code = "from ascq.kernels import native; assert native.load() is not None"
-    env = {**__import__("os").environ, "ASCQ_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "ASCQ_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     assert [f.suffix for f in tmp_path.iterdir()] == [".so"]  # no temporary file left behind
     env["ASCQ_NATIVE_KERNELS"] = "0"

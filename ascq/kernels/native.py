@@ -7,8 +7,8 @@ written to a temporary file then renamed, so concurrent first uses never load a 
 OpenMP by its soname, libgomp.so.1: the copy torch has already loaded is the one used, so the kernel shares torch's
 thread pool; each call runs on `torch.get_num_threads()` threads.
 
-`load()` returns None (with one warning) when there is no compiler, the CPU lacks AVX2/FMA, or ASCQ_NATIVE_KERNELS=0;
-the cpu backend then keeps torch's int4pack kernel.
+`load()` returns None when ASCQ_NATIVE_KERNELS=0, and with one warning when there is no compiler, the build fails or
+the CPU lacks AVX2/FMA; the cpu backend then uses torch's ops (int4pack / int8pack, paged_sdpa's decode attention).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def load() -> ctypes.CDLL | None:
                       stacklevel=2)
         return None
     if not lib.ascq_cpu_supported():
+        warnings.warn("ascq native CPU kernel unavailable (this CPU lacks AVX2/FMA); using torch's kernels", stacklevel=2)
         return None
     lib.ascq_weight_only_mm.restype = ctypes.c_int
     lib.ascq_weight_only_mm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
