@@ -141,6 +141,26 @@ def recipes() -> None:
         typer.echo(f"{name.ljust(width)}  {description}")
 
 
+# ---- distributed options (vLLM's flag names), shared by generate and serve -------------------------------
+
+TensorParallelSize = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="Tensor-parallel ranks.")]
+PipelineParallelSize = Annotated[int, typer.Option("--pipeline-parallel-size", "-pp", help="Pipeline stages.")]
+EnableExpertParallel = Annotated[bool, typer.Option(
+    help="Split routed experts over the tensor-parallel ranks instead of sharding each expert.")]
+NumNodes = Annotated[int, typer.Option(help="Nodes the ranks are spread over (equal shares).")]
+NodeRank = Annotated[int, typer.Option(help="This node's index; node 0 runs the engine, others only ranks.")]
+MasterAddr = Annotated[str, typer.Option(help="Node 0's address for the rendezvous.")]
+MasterPort = Annotated[int | None, typer.Option(help="Rendezvous port on node 0 (default: a free one, one node).")]
+
+
+def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int, enable_expert_parallel: bool,
+                  nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+                  master_port: int | None = None) -> dict:
+    return {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+            "enable_expert_parallel": enable_expert_parallel, "nnodes": nnodes, "node_rank": node_rank,
+            "master_addr": master_addr, "master_port": master_port}
+
+
 # ---- generate --------------------------------------------------------------------------------------------
 
 
@@ -160,6 +180,9 @@ def generate(
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     kv_cache_memory: Annotated[int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")] = None,
+    tensor_parallel_size: TensorParallelSize = 1,
+    pipeline_parallel_size: PipelineParallelSize = 1,
+    enable_expert_parallel: EnableExpertParallel = False,
 ) -> None:
     """Generate text for one or more prompts offline and print it."""
     from ascq.runtime.llm import LLM
@@ -171,11 +194,13 @@ def generate(
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         llm = LLM(str(model), device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
-        if chat:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
-        else:
-            outputs = llm.generate(list(prompt), params)
+                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                  **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel))
+        with llm:
+            if chat:
+                outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
+            else:
+                outputs = llm.generate(list(prompt), params)
     except ValueError as exc:
         raise AscqError(str(exc)) from exc
     for output in outputs:
@@ -203,8 +228,17 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")] = "cpu",
     chat_template: Annotated[str | None, typer.Option(help="Chat template file or inline Jinja text.")] = None,
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+    tensor_parallel_size: TensorParallelSize = 1,
+    pipeline_parallel_size: PipelineParallelSize = 1,
+    enable_expert_parallel: EnableExpertParallel = False,
+    nnodes: NumNodes = 1,
+    node_rank: NodeRank = 0,
+    master_addr: MasterAddr = "127.0.0.1",
+    master_port: MasterPort = None,
 ) -> None:
-    """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
+
+    With --nnodes N, run the same command on every node with its --node-rank; node 0 serves."""
     import os
 
     from ascq.runtime.engine_args import EngineArgs
@@ -215,7 +249,14 @@ def serve(
     engine_args = EngineArgs(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory,
-                             seed=seed, served_model_name=served_model_name)
+                             seed=seed, served_model_name=served_model_name,
+                             **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel,
+                                             nnodes, node_rank, master_addr, master_port))
+    from ascq.runtime.distributed.executor import run_node, torchrun_rank
+
+    if node_rank > 0 or (torchrun_rank() or 0) > 0:  # only this node's ranks, until node 0's engine stops them
+        run_node(engine_args)
+        return
     options = ServeOptions(host=host, port=port, api_key=api_key or os.environ.get("ASCQ_API_KEY"),
                            served_model_name=served_model_name, chat_template=chat_template)
     run_server(engine_args, options)

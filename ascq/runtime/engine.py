@@ -54,19 +54,38 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(args.model, self.tokenizer)
         self.vocab_size = int(config["vocab_size"])
         torch.manual_seed(args.seed)
-        self.model, self.quant_config = load_model(args.model, args.device, self.dtype, config)
         self.kv_cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
-        self.block_bytes = bytes_per_block(self.model, args.block_size, self.kv_cache_dtype)
-        num_blocks = num_blocks_for(args.resolve_kv_cache_memory(), self.block_bytes, args.num_gpu_blocks_override)
-        allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
+        if args.world_size > 1:  # ranks in their own processes; this one is rank 0 (runtime/distributed)
+            num_blocks = self._init_distributed(args, config)
+        else:
+            self.model, self.quant_config = load_model(args.model, args.device, self.dtype, config)
+            self.block_bytes = bytes_per_block(self.model, args.block_size, self.kv_cache_dtype)
+            num_blocks = num_blocks_for(args.resolve_kv_cache_memory(), self.block_bytes, args.num_gpu_blocks_override)
+            allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
+            self.runner = ModelRunner(self.model, args.block_size, self.device)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, args.block_size, self.device)
         self.sampler = sampler or Sampler(args.seed)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.pending_outputs: list[RequestOutput] = []
         self.num_generation_tokens = 0
+
+    def _init_distributed(self, args: EngineArgs, config: dict[str, Any]) -> int:
+        """Start the other ranks and load this rank's shard; KV blocks sized by the largest per-rank block."""
+        from ascq.runtime.distributed.executor import DistributedModelRunner, MultiprocExecutor
+
+        def num_blocks(block_bytes: int) -> int | str:
+            try:
+                return num_blocks_for(args.resolve_kv_cache_memory(), block_bytes, args.num_gpu_blocks_override)
+            except AscqError as exc:
+                return str(exc)
+
+        executor = MultiprocExecutor(args, config, self.dtype, num_blocks)
+        rank = executor.rank
+        self.model, self.quant_config, self.block_bytes = rank.model, rank.quant_config, rank.block_bytes
+        self.runner = DistributedModelRunner(executor, args.block_size)
+        return rank.num_blocks
 
     # ---- requests ----------------------------------------------------------------------------------------
 
@@ -185,6 +204,12 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         for sequence in self.requests.pop(request_id, []):
             self.detokenizers.pop(id(sequence), None)
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (none in a single process)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ---- stats -------------------------------------------------------------------------------------------
 

@@ -38,8 +38,17 @@ class EngineArgs:
     seed: int = 0
     tokenizer: str | Path | None = None
     served_model_name: str | None = None
+    # distributed (vLLM's names): ranks = tensor x pipeline; nodes share them equally (see runtime/distributed)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_parallel()
         self.model = Path(self.model)
         if not (self.model / "config.json").is_file():
             raise AscqError(f"{self.model} is not a model folder (no config.json)")
@@ -60,6 +69,29 @@ class EngineArgs:
             raise AscqError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise AscqError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
+
+    def _check_parallel(self) -> None:
+        sizes = {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
+                 "nnodes": self.nnodes}
+        for name, value in sizes.items():
+            if value < 1:
+                raise AscqError(f"{name} must be positive, got {value}")
+        if self.world_size % self.nnodes:
+            raise AscqError(f"{self.world_size} ranks (tensor x pipeline parallel) cannot be split evenly over "
+                            f"{self.nnodes} nodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise AscqError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise AscqError("several nodes need --master-port (and --master-addr: node 0's address)")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise AscqError(f"master_port must be in [1, 65535], got {self.master_port}")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise AscqError("enable_expert_parallel splits experts over the tensor-parallel ranks: "
+                            "set tensor_parallel_size > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def torch_device(self) -> torch.device:

@@ -21,6 +21,16 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args), tokenizer=tokenizer_obj)
         self.num_requests = 0
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a multi-rank engine (tensor / pipeline parallel); no-op otherwise."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
