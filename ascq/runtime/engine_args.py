@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,13 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("cpu", "reference", "cuda", "npu")
 DEFAULT_KV_CACHE_FRACTION = 0.1  # of available host memory when kv_cache_memory is not given
 MAX_DEFAULT_KV_CACHE_BYTES = 4 << 30
+# --performance-mode presets over the scheduler knobs, applied to the knobs left at their defaults
+# (measured on SmolLM2-135M, README "Performance modes"): latency keeps batches small and prefill chunks short so a
+# long prompt never stalls the running decodes for long; throughput batches as much as the cache allows.
+PERFORMANCE_MODES = {
+    "latency": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+    "throughput": {"max_num_seqs": 128, "max_num_batched_tokens": 4096},
+}
 
 
 @dataclass
@@ -38,9 +46,11 @@ class EngineArgs:
     seed: int = 0
     tokenizer: str | Path | None = None
     served_model_name: str | None = None
+    performance_mode: str | None = None  # latency | throughput (PERFORMANCE_MODES), None: the knobs as given
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
+        self._apply_performance_mode()
         if not (self.model / "config.json").is_file():
             raise AscqError(f"{self.model} is not a model folder (no config.json)")
         if self.device.split(":")[0] not in DEVICES:
@@ -60,6 +70,18 @@ class EngineArgs:
             raise AscqError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise AscqError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
+
+    def _apply_performance_mode(self) -> None:
+        if self.performance_mode is None:
+            return
+        if self.performance_mode not in PERFORMANCE_MODES:
+            raise UnsupportedError(
+                f"unknown performance mode {self.performance_mode!r}; supported: {', '.join(PERFORMANCE_MODES)}"
+            )
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in PERFORMANCE_MODES[self.performance_mode].items():
+            if getattr(self, name) == defaults[name]:
+                setattr(self, name, value)
 
     @property
     def torch_device(self) -> torch.device:
