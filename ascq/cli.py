@@ -203,6 +203,8 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")] = "cpu",
     chat_template: Annotated[str | None, typer.Option(help="Chat template file or inline Jinja text.")] = None,
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+    performance_mode: Annotated[str | None, typer.Option(
+        help="Scheduler preset for knobs left at their defaults: latency or throughput (README).")] = None,
 ) -> None:
     """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import os
@@ -215,7 +217,7 @@ def serve(
     engine_args = EngineArgs(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory,
-                             seed=seed, served_model_name=served_model_name)
+                             seed=seed, served_model_name=served_model_name, performance_mode=performance_mode)
     options = ServeOptions(host=host, port=port, api_key=api_key or os.environ.get("ASCQ_API_KEY"),
                            served_model_name=served_model_name, chat_template=chat_template)
     run_server(engine_args, options)

@@ -3,7 +3,7 @@
 Paths (thresholds from `python benchmarks/kernels.py`; table in the README "Kernels" section):
 - `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2), so from M >= DENSE_BF16_MAX_M the bf16
   weight is copied into an fp32 workspace and multiplied in fp32.
-- `native` (w4a16 / w8a16 with bf16 or fp32 activations, in % 32 == 0, groups a multiple of 32 or per channel via
+- `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
   replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as per-token
   16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, 1.5-2.5x torch's int4pack at M=1; from there
   dequantize + fp32 GEMM (4 bits: from the packed copy). Used when the kernel builds here (a C compiler, x86-64 with
@@ -101,10 +101,10 @@ def _choose_kernel(w: QuantLinearWeights, dtype: torch.dtype) -> str:
         return "dense"
     if w.scheme in ("w8a8_dynamic", "w8a8_static", "w4a8_dynamic"):
         return "fbgemm" if per_channel else "dequant"
-    if w.scheme in ("w4a16", "w8a16") and _native_group_size(w) is not None and native.load() is not None:
-        return "native"  # bf16 or fp32 activations (both enter the kernel as 16-bit fixed point per token)
     if dtype != torch.bfloat16:
         return "dequant"
+    if w.scheme in ("w4a16", "w8a16") and _native_group_size(w) is not None and native.load() is not None:
+        return "native"
     if w.scheme == "w4a16" and _int4pack_group_size(w) is not None:
         return "int4pack"
     if w.scheme == "w8a16" and per_channel and w.weight_zero_point is None:
