@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: never leave llama-server behind
     specs = dict(item.split("=", 1) for item in args.ascq)
     batched_name = args.batched or next(iter(specs))
     server = LlamaServer(args.llama_server, args.gguf, args.threads, args.concurrency, args.concurrency * 768)
