@@ -347,7 +347,9 @@ def bench_latency(
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; user errors are printed as one line `error: ...` with a non-zero exit code."""
     try:
-        app(args=argv, standalone_mode=False)
+        exit_code = app(args=argv, standalone_mode=False)  # click returns a command's typer.Exit code here
+        if isinstance(exit_code, int) and exit_code:
+            sys.exit(exit_code)
     except click_exceptions.NoArgsIsHelpError:
         sys.exit(0)
     except typer.Abort:

@@ -97,7 +97,8 @@ class EngineArgs:
         if self.torch_device.type == "cpu":
             # measured (README "Performance"): weight-only int4/int8 checkpoints decode fastest through the native
             # kernel, which takes bf16 activations; dense GEMMs are fastest in fp32 (no bf16 GEMM on AVX2)
-            return torch.bfloat16 if is_weight_only_quantized(config) else torch.float32
+            native = self.device == "cpu" and is_weight_only_quantized(config)  # `reference`: plain fp32 math
+            return torch.bfloat16 if native else torch.float32
         return DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
 
     def resolve_max_model_len(self, config: dict[str, Any]) -> int:
