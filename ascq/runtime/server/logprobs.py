@@ -28,6 +28,15 @@ class LogprobFormatter:
             text_offset += len(text)
         return result
 
+    @staticmethod
+    def concat(first: CompletionLogprobs | None, second: CompletionLogprobs | None) -> CompletionLogprobs | None:
+        if first is None or second is None:
+            return first or second
+        return CompletionLogprobs(tokens=first.tokens + second.tokens,
+                                  token_logprobs=first.token_logprobs + second.token_logprobs,
+                                  top_logprobs=first.top_logprobs + second.top_logprobs,
+                                  text_offset=first.text_offset + second.text_offset)
+
     def chat(self, token_ids: list[int], steps: list[dict[int, float]] | None,
              top_n: int | None) -> ChatLogprobs | None:
         """/v1/chat/completions `logprobs.content`: one entry per token with its top-n alternatives."""
