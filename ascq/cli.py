@@ -175,6 +175,13 @@ def generate(
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     kv_cache_memory: Annotated[int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 64,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM.")] = None,
+    enforce_eager: Annotated[bool, typer.Option(help="Accepted for vLLM compatibility.")] = True,
+    enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
+    quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option(help="Devices per model (1).")] = 1,
 ) -> None:
     """Generate text for one or more prompts offline and print it."""
     from ascq.runtime.llm import LLM
@@ -186,7 +193,10 @@ def generate(
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         llm = LLM(str(model), device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
+                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                  enable_prefix_caching=enable_prefix_caching, quantization=quantization,
+                  tensor_parallel_size=tensor_parallel_size)
         if chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
         else:
@@ -206,7 +216,7 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[str | None, typer.Option(
-        help="Require 'Authorization: Bearer KEY' on /v1/* (default: $ASCQ_API_KEY, else open).")] = None,
+        help="Require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY or $ASCQ_API_KEY, else open).")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients use (default: MODEL).")] = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 64,
@@ -218,22 +228,43 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")] = "cpu",
     chat_template: Annotated[str | None, typer.Option(help="Chat template file or inline Jinja text.")] = None,
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM.")] = None,
+    enforce_eager: Annotated[bool, typer.Option(help="Accepted for vLLM compatibility.")] = True,
+    enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
+    quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option(help="Devices per model (1).")] = 1,
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        help="Let the model decide to call tools (tool_choice auto); needs --tool-call-parser.")] = False,
+    tool_call_parser: Annotated[str | None, typer.Option(help="Tool-call format of the model's output: hermes.")] = None,
 ) -> None:
     """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import os
 
+    from ascq.runtime.server.listen import bind_socket
+
+    sock = bind_socket(host, port)  # before torch and the model load: a busy port fails at once
+
+    from ascq.runtime.server.api_server import ServeOptions
+
+    options = ServeOptions(host=host, port=port,
+                           api_key=api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("ASCQ_API_KEY"),
+                           served_model_name=served_model_name, chat_template=chat_template,
+                           enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+
     from ascq.runtime.engine_args import EngineArgs
-    from ascq.runtime.server.api_server import ServeOptions, run_server
+    from ascq.runtime.server.api_server import run_server
     from ascq.zoo.planned import require_weights
 
     require_weights(model)  # a planned zoo entry: say which command produces its weights
     engine_args = EngineArgs(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory,
-                             seed=seed, served_model_name=served_model_name)
-    options = ServeOptions(host=host, port=port, api_key=api_key or os.environ.get("ASCQ_API_KEY"),
-                           served_model_name=served_model_name, chat_template=chat_template)
-    run_server(engine_args, options)
+                             seed=seed, served_model_name=served_model_name,
+                             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                             enable_prefix_caching=enable_prefix_caching, quantization=quantization,
+                             tensor_parallel_size=tensor_parallel_size)
+    run_server(engine_args, options, sock)
     # drained and shut down: skip the interpreter's module teardown (seconds with torch loaded), so that
     # SIGTERM -> exit stays within the drain bound
     sys.stdout.flush()

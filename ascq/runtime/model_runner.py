@@ -52,6 +52,7 @@ class ModelRunner:
         """fp32 logits [R, vocab] for the requests whose scheduled chunk reaches their last token."""
         input_ids, positions, meta, last_rows = self.prepare(out)
         hidden = self.model(input_ids, positions, meta)
+        self.hidden_states = hidden  # every scheduled token's final hidden state (the engine's prompt_logprobs)
         sampling = [
             (row, request) for row, request, num_new in zip(last_rows, out.requests, out.num_scheduled_tokens, strict=True)
             if request.num_computed_tokens + num_new == request.num_tokens
