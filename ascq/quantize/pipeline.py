@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from ascq.errors import AscqError
 from ascq.evaluate import eval_windows, perplexity
+from ascq.formats.safetensors import CheckpointReader
 from ascq.quantize.architectures import Architecture
-from ascq.quantize.checkpoint import CheckpointReader
 from ascq.quantize.ct_writer import ShardWriter, quantization_config
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.recipe import ComposedRecipe
