@@ -20,6 +20,7 @@ from ascq.runtime.request import Request
 from ascq.runtime.sampler import Sampler
 from ascq.runtime.sampling_params import SamplingParams
 from ascq.runtime.scheduler import Scheduler
+from ascq.runtime.structured_output import StructuredOutputManager
 
 
 def load_tokenizer(path: Any) -> Any:
@@ -40,6 +41,12 @@ def eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def module_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (its weights, before the KV cache is allocated)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 class LLMEngine:
     """Single-threaded; drive it from one thread. See docs/ARCHITECTURE.md "Engine API"."""
 
@@ -54,18 +61,22 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(args.model, self.tokenizer)
         self.vocab_size = int(config["vocab_size"])
         torch.manual_seed(args.seed)
+        args.check_quantization(config)
         self.kv_cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
         if args.world_size > 1:  # ranks in their own processes; this one is rank 0 (runtime/distributed)
             num_blocks = self._init_distributed(args, config)
         else:
+            free_before_load = args.available_memory()
             self.model, self.quant_config = load_model(args.model, args.device, self.dtype, config)
             self.block_bytes = bytes_per_block(self.model, args.block_size, self.kv_cache_dtype)
-            num_blocks = num_blocks_for(args.resolve_kv_cache_memory(), self.block_bytes, args.num_gpu_blocks_override)
+            num_blocks = num_blocks_for(args.resolve_kv_cache_memory(free_before_load, module_bytes(self.model)), self.block_bytes, args.num_gpu_blocks_override)
             allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
             self.runner = ModelRunner(self.model, args.block_size, self.device)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
-        self.sampler = sampler or Sampler(args.seed)
+        self.sampler = sampler or Sampler(args.seed, self.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}  # id(sequence) -> per prompt token
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.pending_outputs: list[RequestOutput] = []
@@ -75,9 +86,12 @@ class LLMEngine:
         """Start the other ranks and load this rank's shard; KV blocks sized by the largest per-rank block."""
         from ascq.runtime.distributed.executor import DistributedModelRunner, MultiprocExecutor
 
-        def num_blocks(block_bytes: int) -> int | str:
+        free_before_load = args.available_memory()
+
+        def num_blocks(block_bytes: int, model: torch.nn.Module) -> int | str:
             try:
-                return num_blocks_for(args.resolve_kv_cache_memory(), block_bytes, args.num_gpu_blocks_override)
+                memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model))
+                return num_blocks_for(memory, block_bytes, args.num_gpu_blocks_override)
             except AscqError as exc:
                 return str(exc)
 
@@ -96,6 +110,10 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids, params)
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # ValueError for a bad schema, before admission
         sequences = []
         for index in range(params.n):
             generator = None
@@ -105,6 +123,10 @@ class LLMEngine:
         self.requests[request_id] = sequences
         for sequence in sequences:
             self.detokenizers[id(sequence)] = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            if params.structured_outputs is not None:
+                self.structured.add(id(sequence), params.structured_outputs)
+            if params.prompt_logprobs is not None:
+                self.prompt_logprobs[id(sequence)] = [None]
             self.scheduler.add_request(sequence)
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -112,6 +134,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if message := params.token_ids_in_range(self.vocab_size):
+            raise ValueError(message)
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -146,9 +170,11 @@ class LLMEngine:
         if not scheduled.requests:
             return outputs
         logits, sampling = self.runner.execute(scheduled)
+        if self.prompt_logprobs:
+            self._record_prompt_logprobs(scheduled)
         self.scheduler.update_after_step(scheduled)
         advanced: dict[str, None] = {}
-        for request, result in zip(sampling, self.sampler(logits, sampling) if sampling else [], strict=False):
+        for request, result in zip(sampling, self._sample(logits, sampling) if sampling else [], strict=False):
             self._append_token(request, result.token_id, result.logprobs)
             advanced[request.request_id] = None
         for request_id in advanced:
@@ -157,6 +183,30 @@ class LLMEngine:
             if output.finished:
                 self._forget(request_id)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> list[Any]:
+        bitmask = self.structured.bitmask([id(r) for r in sampling])
+        if bitmask is None:  # custom samplers need not know structured outputs
+            return self.sampler(logits, sampling)
+        return self.sampler(logits, sampling, token_bitmask=bitmask)
+
+    def _record_prompt_logprobs(self, scheduled: Any) -> None:
+        """log-softmax of the raw logits at every newly computed prompt position (vLLM's prompt_logprobs)."""
+        start = 0
+        for request, num_new in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True):
+            recorded = self.prompt_logprobs.get(id(request))
+            first = request.num_computed_tokens  # predicts token first + 1
+            if recorded is not None and first < len(recorded) <= first + num_new and len(recorded) < request.num_prompt_tokens:
+                rows = torch.arange(start + len(recorded) - 1 - first, start + min(num_new, request.num_prompt_tokens - 1 - first))
+                logprobs = self.model.compute_logits(self.runner.hidden_states[rows]).float().log_softmax(-1).cpu()
+                top_n = request.params.prompt_logprobs
+                for row, token_id in zip(logprobs, request.token_ids[len(recorded):request.num_prompt_tokens], strict=False):
+                    entry = {token_id: float(row[token_id])}
+                    if top_n:
+                        values, ids = row.topk(top_n)
+                        entry.update(zip(ids.tolist(), values.tolist(), strict=True))
+                    recorded.append(entry)
+            start += num_new
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> None:
         request.append_token(token_id)
@@ -167,13 +217,23 @@ class LLMEngine:
         delta = self.detokenizers[id(request)].add_token(token_id)
         request.output_text += delta
         params = request.params
-        if token_id in self.eos_token_ids and not params.ignore_eos:
-            self._finish(request, "stop")
+        grammar_done = self.structured.accept(id(request), token_id)
+        text = request.output_text
+        keep = params.include_stop_str_in_output
+        stop: tuple[int | str | None, int] | None = None  # (stop_reason, length of the text to keep)
+        if request.num_output_tokens < params.min_tokens:
+            pass
+        elif token_id in self.eos_token_ids and not params.ignore_eos:
+            stop = (None, len(text) if keep else len(text) - len(delta))
         elif token_id in params.stop_token_ids:
-            self._finish(request, "stop", token_id)
-        elif delta and params.stop and (match := find_stop_string(request.output_text, len(delta), params.stop)):
-            request.output_text = request.output_text[: match[0]]
-            self._finish(request, "stop", match[1])
+            stop = (token_id, len(text) if keep else len(text) - len(delta))
+        elif delta and params.stop and (match := find_stop_string(text, len(delta), params.stop)):
+            stop = (match[1], match[0] + len(match[1]) if keep else match[0])
+        elif grammar_done:
+            stop = (None, len(text))
+        if stop is not None:
+            request.output_text = text[: stop[1]]
+            self._finish(request, "stop", stop[0])
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, "length")
 
@@ -198,12 +258,14 @@ class LLMEngine:
         return RequestOutput(
             request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=all(s.is_finished for s in sequences),
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=self.prompt_logprobs.get(id(first)),
         )
 
     def _forget(self, request_id: str) -> None:
         for sequence in self.requests.pop(request_id, []):
             self.detokenizers.pop(id(sequence), None)
+            self.structured.remove(id(sequence))
+            self.prompt_logprobs.pop(id(sequence), None)
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes (none in a single process)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,13 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("cpu", "reference", "cuda", "npu")
 DEFAULT_KV_CACHE_FRACTION = 0.1  # of available host memory when kv_cache_memory is not given
 MAX_DEFAULT_KV_CACHE_BYTES = 4 << 30
+# --performance-mode presets over the scheduler knobs, applied to the knobs left at their defaults
+# (measured on SmolLM2-135M, README "Performance modes"): latency keeps batches small and prefill chunks short so a
+# long prompt never stalls the running decodes for long; throughput batches as much as the cache allows.
+PERFORMANCE_MODES = {
+    "latency": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+    "throughput": {"max_num_seqs": 128, "max_num_batched_tokens": 4096},
+}
 
 
 @dataclass
@@ -38,8 +46,15 @@ class EngineArgs:
     seed: int = 0
     tokenizer: str | Path | None = None
     served_model_name: str | None = None
-    # distributed (vLLM's names): ranks = tensor x pipeline; nodes share them equally (see runtime/distributed)
+    performance_mode: str | None = None  # latency | throughput (PERFORMANCE_MODES), None: the knobs as given
+    # vLLM's names: accepted with their meaning, or rejected with a reason (see check_vllm_args)
+    gpu_memory_utilization: float | None = None  # share of free memory (RAM / HBM) for weights + KV cache
+    quantization: str | None = None  # must match the checkpoint's quant_method
+    trust_remote_code: bool = False
     tensor_parallel_size: int = 1
+    swap_space: float = 0
+    cpu_offload_gb: float = 0
+    # distributed (vLLM's names): ranks = tensor x pipeline; nodes share them equally (see runtime/distributed)
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
     nnodes: int = 1
@@ -50,6 +65,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         self._check_parallel()
         self.model = Path(self.model)
+        self._apply_performance_mode()
         if not (self.model / "config.json").is_file():
             raise AscqError(f"{self.model} is not a model folder (no config.json)")
         if self.device.split(":")[0] not in DEVICES:
@@ -69,6 +85,42 @@ class EngineArgs:
             raise AscqError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise AscqError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
+        self._check_vllm_args()
+
+    def _check_vllm_args(self) -> None:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise AscqError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.trust_remote_code:
+            raise UnsupportedError("trust_remote_code=True is not supported: ascq runs only its own model code")
+        if self.swap_space:
+            raise UnsupportedError("swap_space (CPU swap of preempted KV blocks) is not supported; preempted requests "
+                                   "are recomputed (use swap_space=0)")
+        if self.cpu_offload_gb:
+            raise UnsupportedError("cpu_offload_gb (weight offloading) is not supported (use cpu_offload_gb=0)")
+
+    def check_quantization(self, config: dict[str, Any]) -> None:
+        """`quantization` is what the user expects the checkpoint to be: a mismatch is an error, never a cast."""
+        if self.quantization is None:
+            return
+        raw = config.get("quantization_config") or config.get("compression_config")
+        method = (raw or {}).get("quant_method")
+        if method is None:
+            raise AscqError(f"quantization={self.quantization!r} but {self.model} is not quantized (ascq quantizes "
+                            "offline: ascq convert); drop quantization to serve it unquantized")
+        if self.quantization.replace("_", "-") != method:
+            raise AscqError(f"quantization={self.quantization!r} but {self.model} is quantized with {method!r}")
+
+    def _apply_performance_mode(self) -> None:
+        if self.performance_mode is None:
+            return
+        if self.performance_mode not in PERFORMANCE_MODES:
+            raise UnsupportedError(
+                f"unknown performance mode {self.performance_mode!r}; supported: {', '.join(PERFORMANCE_MODES)}"
+            )
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in PERFORMANCE_MODES[self.performance_mode].items():
+            if getattr(self, name) == defaults[name]:
+                setattr(self, name, value)
 
     def _check_parallel(self) -> None:
         sizes = {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
@@ -105,7 +157,10 @@ class EngineArgs:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if self.torch_device.type == "cpu":
-            return torch.float32
+            # measured (README "Performance"): weight-only int4/int8 checkpoints decode fastest through the native
+            # kernel, which takes bf16 activations; dense GEMMs are fastest in fp32 (no bf16 GEMM on AVX2)
+            native = self.device == "cpu" and is_weight_only_quantized(config)  # `reference`: plain fp32 math
+            return torch.bfloat16 if native else torch.float32
         return DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
 
     def resolve_max_model_len(self, config: dict[str, Any]) -> int:
@@ -116,12 +171,39 @@ class EngineArgs:
             raise AscqError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
         return self.max_model_len
 
-    def resolve_kv_cache_memory(self) -> int:
+    def available_memory(self) -> int:
+        """Free bytes on the device (host RAM for the CPU backends), read before the weights load."""
+        kind = self.torch_device.type
+        if kind in ("cuda", "npu"):
+            free, _ = getattr(torch, kind).mem_get_info(self.torch_device)
+            return int(free)
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+
+    def resolve_kv_cache_memory(self, free_before_load: int | None = None, weight_bytes: int = 0) -> int:
+        """KV bytes: kv_cache_memory; else gpu_memory_utilization x free memory (before load) minus the weights;
+        else a default share of what is free now."""
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
+        if self.gpu_memory_utilization is not None and free_before_load is not None:
+            budget = int(self.gpu_memory_utilization * free_before_load) - weight_bytes
+            if budget <= 0:
+                raise AscqError(
+                    f"gpu_memory_utilization {self.gpu_memory_utilization} of {free_before_load / 2**30:.2f} GiB free "
+                    f"leaves no room for the KV cache after {weight_bytes / 2**30:.2f} GiB of weights")
+            return budget
         if self.torch_device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.torch_device)
             return int(free * 0.8)
         import psutil
 
         return min(int(psutil.virtual_memory().available * DEFAULT_KV_CACHE_FRACTION), MAX_DEFAULT_KV_CACHE_BYTES)
+
+
+def is_weight_only_quantized(config: dict[str, Any]) -> bool:
+    """A compressed-tensors config whose every group quantizes weights only (W4A16 / W8A16)."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    return bool(groups) and all(
+        isinstance(g, dict) and g.get("weights") and not g.get("input_activations") for g in groups.values()
+    )

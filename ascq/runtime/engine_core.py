@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -46,6 +47,7 @@ class OutputDelta:
     finished: bool
     num_cached_tokens: int
     completions: list[CompletionDelta]
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # sent once, with the first delta that has them
 
 
 class DeltaEncoder:
@@ -65,9 +67,13 @@ class DeltaEncoder:
                 None if o.logprobs is None else o.logprobs[num_tokens:], o.cumulative_logprob,
                 o.finish_reason, o.stop_reason))
             sent[o.index] = (len(o.text), len(o.token_ids))
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None and -1 not in sent:
+            prompt_logprobs = output.prompt_logprobs
+            sent[-1] = (0, 0)
         if output.finished:
             del self.sent[output.request_id]
-        return OutputDelta(output.request_id, output.finished, output.num_cached_tokens, completions)
+        return OutputDelta(output.request_id, output.finished, output.num_cached_tokens, completions, prompt_logprobs)
 
 
 class DeltaDecoder:
@@ -95,7 +101,8 @@ class DeltaDecoder:
                 d.index, old.text[:d.text_start] + d.text, old.token_ids + d.token_ids, d.cumulative_logprob,
                 logprobs, d.finish_reason, d.stop_reason)
         output = RequestOutput(delta.request_id, previous.prompt, previous.prompt_token_ids, completions,
-                               delta.finished, delta.num_cached_tokens)
+                               delta.finished, delta.num_cached_tokens,
+                               delta.prompt_logprobs if delta.prompt_logprobs is not None else previous.prompt_logprobs)
         if delta.finished:
             del self.outputs[delta.request_id]
         else:
@@ -106,8 +113,10 @@ class DeltaDecoder:
 # ---- the core process ------------------------------------------------------------------------------------
 
 
-def run_engine_core(engine_args: Any, conn: Connection, parent_pid: int) -> None:
-    """Process entry point: build the engine, report ready (or the one-line reason it could not), serve."""
+def run_engine_core(engine_args: Any, conn: Connection, parent_pid: int,
+                    describe: Callable[[Any], dict[str, Any]] | None = None) -> None:
+    """Process entry point: build the engine, report ready with `describe(engine)` (or the one-line reason it
+    could not: `describe` may raise AscqError too), serve."""
     from ascq.errors import AscqError
     from ascq.runtime.distributed.process_watch import exit_with_parent
 
@@ -115,12 +124,16 @@ def run_engine_core(engine_args: Any, conn: Connection, parent_pid: int) -> None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server drains, then stops us
     from ascq.runtime.engine import LLMEngine
 
+    engine = None
     try:
         engine = LLMEngine(engine_args)
+        info = describe(engine) if describe is not None else {}
     except (AscqError, ValueError, OSError) as exc:
         conn.send(("failed", str(exc)))
+        if engine is not None:
+            engine.shutdown()
         raise SystemExit(1) from None
-    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}))
+    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size, **info}))
     try:
         EngineCore(engine, conn).run()
     finally:
@@ -184,14 +197,15 @@ class EngineCore:
 class EngineCoreProcess:
     """Serving-process handle: starts the core (spawn), waits until it is ready, sends and receives messages."""
 
-    def __init__(self, engine_args: Any, startup_timeout_s: float = 600.0) -> None:
+    def __init__(self, engine_args: Any, describe: Callable[[Any], dict[str, Any]] | None = None,
+                 startup_timeout_s: float = 600.0) -> None:
         import os
 
         from ascq.errors import AscqError
 
         context = multiprocessing.get_context("spawn")
         self.conn, child_conn = context.Pipe(duplex=True)
-        self.process = context.Process(target=run_engine_core, args=(engine_args, child_conn, os.getpid()),
+        self.process = context.Process(target=run_engine_core, args=(engine_args, child_conn, os.getpid(), describe),
                                        name="ascq-engine-core", daemon=False)
         self.process.start()
         child_conn.close()

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ascq.errors import AscqError
 from ascq.runtime.distributed.pipeline import prune_for_stage, run_pipeline, split_requests
 from ascq.runtime.distributed.process_watch import exit_with_parent
+from ascq.runtime.distributed.rendezvous import torchrun_rank
 from ascq.runtime.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_torch_dtype
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.loader import load_model
@@ -100,7 +101,7 @@ def init_rank(args: Any, config: dict[str, Any], dtype: torch.dtype, info: RankI
               num_blocks_for_bytes: Any = None) -> RankModel:
     """Join the group, load this rank's shard, size and allocate the KV cache (collective on every rank).
 
-    `num_blocks_for_bytes(block_bytes) -> num_blocks` is rank 0's sizing; other ranks take its answer."""
+    `num_blocks_for_bytes(block_bytes, model) -> num_blocks` is rank 0's sizing; other ranks take its answer."""
     set_cpu_threads(args)
     device = rank_device(args.device, info.local_rank)
     ps = init_parallel(info.rank, args.tensor_parallel_size, args.pipeline_parallel_size, args.device,
@@ -110,7 +111,7 @@ def init_rank(args: Any, config: dict[str, Any], dtype: torch.dtype, info: RankI
     cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
     block_bytes = torch.tensor([bytes_per_block(model, args.block_size, cache_dtype)], dtype=torch.int64)
     dist.all_reduce(block_bytes, op=dist.ReduceOp.MAX, group=ps.cpu_group)
-    answer = [num_blocks_for_bytes(int(block_bytes)) if info.rank == 0 else None]
+    answer = [num_blocks_for_bytes(int(block_bytes), model) if info.rank == 0 else None]
     dist.broadcast_object_list(answer, src=0, group=ps.cpu_group)
     if isinstance(answer[0], str):  # rank 0 could not size the cache: every rank stops with its message
         raise AscqError(answer[0])
@@ -179,13 +180,6 @@ def run_node(args: Any) -> None:
     codes = [join_or_kill(p, None) for p in processes]
     if any(codes):
         raise AscqError(f"node {args.node_rank}: worker exit codes {codes}")
-
-
-def torchrun_rank() -> int | None:
-    """This process's rank when torchrun (or another env:// launcher) started it, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        return int(os.environ["RANK"])
-    return None
 
 
 def spawn_workers(args: Any, config: dict[str, Any], dtype: torch.dtype, init_method: str, ranks: range,
