@@ -345,5 +345,8 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
         server.run(sockets=[sock])
     finally:
         core.shutdown()
-    if server.exit_code:
-        sys.exit(server.exit_code)
+    if server.exit_code:  # the engine died: exit now (module teardown with torch loaded takes seconds)
+        logger.error("exiting with code %d: the engine process died", server.exit_code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(server.exit_code)
