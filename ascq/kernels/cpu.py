@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ascq.kernels import QuantLinearWeights, moe, native
 from ascq.kernels.cpu_attention import paged_attention
 from ascq.kernels.paged_sdpa import write_kv_cache
-from ascq.kernels.reference import fake_quantize_input, quantize_per_token, select_experts
+from ascq.kernels.reference import fake_quantize_input, integer_activations, select_experts
 
 __all__ = ["linear", "moe_experts", "paged_attention", "prepare_experts", "prepare_linear", "select_experts"]
 __all__ += ["write_kv_cache"]
@@ -251,20 +251,11 @@ def _int8pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     return y if p.bias is None else y + p.bias
 
 
-def _integer_activations(x: torch.Tensor, w: QuantLinearWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v, scale): x ~= v * scale with v integer-valued fp32 (zero point removed), scale per token or scalar."""
-    if w.scheme == "w8a8_static":
-        scale = w.input_scale.float().reshape(())
-        zero = 0.0 if w.input_zero_point is None else w.input_zero_point.float().reshape(())
-        return ((x / scale).round() + zero).clamp(-128, 127) - zero, scale
-    return quantize_per_token(x)
-
-
 def _fbgemm_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if p.weights.num_bits == 8 and x.shape[0] >= FBGEMM_SPLIT_MAX_M:
         return _dequant_linear(x, p)
     gemm = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
-    v, scale = _integer_activations(x.float(), p.weights)
+    v, scale = integer_activations(x.float(), p.weights)
     if p.weights.num_bits == 4:
         y = gemm(v, 1.0, 128, p.packed)
     else:

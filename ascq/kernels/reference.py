@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ascq.kernels import QuantLinearWeights
+from ascq.quantize.qmath import quantize_per_token, quantize_static_input
 
-INT8_MIN, INT8_MAX = -128, 127
+ACTIVATION_SCHEMES = ("w8a8_dynamic", "w8a8_static", "w4a8_dynamic")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -28,23 +29,23 @@ def dequantize_weight(w: QuantLinearWeights) -> torch.Tensor:
     return (w.weight.float() - zero) * scale
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric dynamic int8 quantization per row: (q as fp32 integer values, scale [..., 1])."""
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
-    return (x / scale).round().clamp(INT8_MIN, INT8_MAX), scale
+def integer_activations(x: torch.Tensor, w: QuantLinearWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v, scale), x ~= v * scale: the integer-valued fp32 activations (zero point removed) a W8A8/W4A8 kernel
+    multiplies, per token (`qmath.quantize_per_token`) or per tensor (`qmath.quantize_static_input`)."""
+    if w.scheme != "w8a8_static":
+        return quantize_per_token(x)
+    scale = w.input_scale.float().reshape(()).to(x.device)
+    zero = None if w.input_zero_point is None else w.input_zero_point.float().reshape(()).to(x.device)
+    q = quantize_static_input(x, scale, zero)
+    return (q if zero is None else q - zero), scale
 
 
 def fake_quantize_input(x: torch.Tensor, w: QuantLinearWeights) -> torch.Tensor:
     """The fp32 activation a W8A8/W4A8 kernel effectively multiplies: quantized to int8 then dequantized."""
-    if w.scheme in ("w8a8_dynamic", "w4a8_dynamic"):
-        q, scale = quantize_per_token(x)
-        return q * scale
-    if w.scheme == "w8a8_static":
-        scale = w.input_scale.float().reshape(())
-        zero = 0.0 if w.input_zero_point is None else w.input_zero_point.float().reshape(())
-        q = ((x / scale).round() + zero).clamp(INT8_MIN, INT8_MAX)
-        return (q - zero) * scale
-    return x
+    if w.scheme not in ACTIVATION_SCHEMES:
+        return x
+    v, scale = integer_activations(x, w)
+    return v * scale
 
 
 @dataclass

@@ -31,7 +31,7 @@ def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None
         if args.dynamic:
             x = qmath.per_token_fake_quantize(x, args.num_bits)
         else:
-            x = qmath.fake_quantize(x, input_scale.to(x.device), None, args.num_bits)
+            x = qmath.static_fake_quantize(x, input_scale.to(x.device), args.num_bits)
         return (x, *inputs[1:])
 
     return hook

@@ -70,7 +70,7 @@ class LLMEngine:
         allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, args.block_size, self.device)
+        self.runner = ModelRunner(self.model, args.block_size, self.device, enforce_eager=args.enforce_eager)
         self.sampler = sampler or Sampler(args.seed, self.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}  # id(sequence) -> per prompt token

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -9,12 +11,17 @@ from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.request import Request
 from ascq.runtime.scheduler import SchedulerOutput
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device, enforce_eager: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.enforce_eager = enforce_eager  # every step runs eagerly: no backend captures graphs yet
+        if not enforce_eager:
+            logger.info("enforce_eager=False: no graph capture on this backend yet; the model runs eagerly")
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Inputs for the scheduled chunks, plus the flat row of each request's last scheduled token."""

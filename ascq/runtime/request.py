@@ -35,7 +35,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hash chain over this request's full blocks, grown lazily
+        self.block_hashes: list[bytes] = []  # sha256 key chain over this request's full blocks, grown lazily
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0

@@ -41,9 +41,6 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens

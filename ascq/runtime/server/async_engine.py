@@ -83,7 +83,6 @@ class AsyncEngine:
         self._stopping = False
         self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
-        self.num_step_errors = 0
 
     # ---- event-loop side ---------------------------------------------------------------------------------
 
@@ -149,7 +148,6 @@ class AsyncEngine:
                 self._iterate()
             except Exception:  # an engine bug must not kill the server: fail what was in flight, keep serving
                 logger.exception("engine step failed; failing the requests in flight")
-                self.num_step_errors += 1
                 self._fail_all(APIError(500, "internal engine error", code="engine_error"))
         self._fail_all(APIError(503, "the server shut down before this request finished"))
 
