@@ -115,22 +115,27 @@ def paged_attention(
     v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query tokens over its whole cached context (this step included)."""
-    num_heads = query.shape[1]
     out = torch.empty_like(query)
     for s in range(len(seq_lens)):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
-        seq_len, query_len = int(seq_lens[s]), end - start
+        seq_len = int(seq_lens[s])
         keys = gather_sequence_kv(k_cache, block_tables[s], seq_len, k_scale)
         values = gather_sequence_kv(v_cache, block_tables[s], seq_len, v_scale)
-        group = num_heads // keys.shape[1]
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        q = query[start:end].float()
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-        query_positions = torch.arange(seq_len - query_len, seq_len)
-        visible = torch.arange(seq_len)[None, :] <= query_positions[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(query.dtype)
+        out[start:end] = causal_attention(query[start:end].float(), keys, values, scale).to(query.dtype)
     return out
+
+
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 attention of queries [Tq, H, D] (the last Tq positions) over keys/values [S, Hkv, D], causal, GQA by
+    repeating kv heads; also the reference models' attention (so converter and reference backend agree bit for bit)."""
+    num_heads, seq_len, query_len = q.shape[1], keys.shape[0], q.shape[0]
+    group = num_heads // keys.shape[1]
+    keys, values = keys.float().repeat_interleave(group, dim=1), values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
+    visible = torch.arange(seq_len, device=q.device)[None, :] <= query_positions[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
 
 
 def select_experts(

@@ -1,4 +1,5 @@
-"""RMSNorm computed in fp32, with the residual add fused in (returns the new residual too)."""
+"""RMSNorm computed in fp32, with the residual add fused in (returns the new residual too); `rms_norm` is also the
+reference models' and the converter's."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ import torch
 from torch import nn
 
 from ascq.runtime.layers.loadable import assign_parameter
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x), the statistics in fp32 (as transformers' LlamaRMSNorm): the one RMSNorm of ascq."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -18,9 +26,7 @@ class RMSNorm(nn.Module):
         assign_parameter(self, param_name, tensor)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
