@@ -3,8 +3,7 @@ Llama-style attention (MHA/GQA, rotary, optional q/k/v and o biases) and a SiLU-
 (DeepSeek-MoE's routed experts). The converter calibrates and measures on it; transformers stays the independent
 reference in the tests.
 
-Its RMSNorm, rotary embedding and attention are the runtime's own functions (`rms_norm`, `RotaryEmbedding` /
-`apply_rotary`, the reference backend's `causal_attention`), so the converter's fake-quantized logits are the
+Its RMSNorm, rotary embedding and attention are the runtime's own functions (`rms_norm`, `RotaryEmbedding`, the reference backend's `causal_attention`), so the converter's fake-quantized logits are the
 reference backend's served logits bit for bit.
 """
 
@@ -21,7 +20,7 @@ from torch import nn
 from ascq.errors import AscqError
 from ascq.kernels.reference import causal_attention
 from ascq.runtime.layers.rmsnorm import rms_norm
-from ascq.runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from ascq.runtime.layers.rotary import RotaryEmbedding
 
 # kv_hook(key, value) -> (key, value) on post-RoPE keys/values [batch, kv_heads, seq, head_dim] (calibration, fp8 KV)
 KVHook = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -80,9 +79,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, s.num_heads, s.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, s.num_kv_heads, s.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        cos, sin = self.rotary_emb.cos_sin(position_ids.expand(batch, seq), x.dtype)
-        cos, sin = cos[:, None], sin[:, None]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cos_sin = self.rotary_emb.cos_sin(position_ids.expand(batch, seq), x.dtype)  # [batch, 1, seq, head_dim]
+        q, k = self.rotary_emb.rotate(q, cos_sin), self.rotary_emb.rotate(k, cos_sin)
         if kv_hook is not None:
             k, v = kv_hook(k, v)
         out = torch.stack([

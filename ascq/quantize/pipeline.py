@@ -181,7 +181,7 @@ def stream_convert(
     head_name = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
     if "lm_head.weight" in reader:
         writer.add("lm_head.weight", reader.get("lm_head.weight"))
-        ignored.append("lm_head")
+    ignored = ["lm_head", "model.embed_tokens", *ignored]  # tied or not (schemes.ALWAYS_IGNORE)
     writer.finish()
     result = StreamResult(
         qconfig=quantization_config(schemes, fallback_targets, ignored),

@@ -21,6 +21,10 @@ from ascq.formats import compressed_tensors as ct
 DEFAULT_TARGETS = ["Linear"]
 # lm_head and embeddings stay full precision, as does the MoE router (its logits pick the experts).
 DEFAULT_IGNORE = ["lm_head", "re:.*mlp\\.gate$"]
+# ... and whatever a recipe says, these are never quantized and always written to `ignore`, so that a loader which
+# quantizes every matching module (transformers, vLLM) keeps them full precision too: with tied embeddings the
+# checkpoint has no lm_head tensor, and an `ignore` without it made transformers quantize the head (perplexity inf).
+ALWAYS_IGNORE = ["lm_head", "model.embed_tokens", "re:.*mlp\\.gate$"]
 SUPPORTED_PRESETS = ("W8A8", "W4A16", "W4A16_ASYM", "W8A16", "W4A8")
 
 
@@ -122,6 +126,8 @@ def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None
 
 def resolve_target(name: str, module: nn.Module, schemes: list[RecipeScheme]) -> LinearTarget | None:
     """The scheme for one module (full name): the first recipe scheme whose groups match it; None = keep."""
+    if ct.is_ignored(name, ALWAYS_IGNORE, module):
+        return None
     for recipe_scheme in schemes:
         scheme = ct.match_scheme(name, recipe_scheme.config_groups.values(), recipe_scheme.ignore, module)
         if scheme is not None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ from ascq.runtime.request import Request
 from ascq.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+DEBUG_STEP_DELAY_ENV = "ASCQ_DEBUG_STEP_DELAY_MS"
 
 
 class ModelRunner:
@@ -22,6 +25,8 @@ class ModelRunner:
         self.enforce_eager = enforce_eager  # every step runs eagerly: no backend captures graphs yet
         if not enforce_eager:
             logger.info("enforce_eager=False: no graph capture on this backend yet; the model runs eagerly")
+        # test-only: a deliberate per-step slowdown, so `ascq bench --compare` can be shown to catch regressions
+        self.debug_step_delay_s = float(os.environ.get(DEBUG_STEP_DELAY_ENV, "0") or 0) / 1000
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Inputs for the scheduled chunks, plus the flat row of each request's last scheduled token."""
@@ -57,6 +62,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """fp32 logits [R, vocab] for the requests whose scheduled chunk reaches their last token."""
+        if self.debug_step_delay_s:
+            time.sleep(self.debug_step_delay_s)
         input_ids, positions, meta, last_rows = self.prepare(out)
         hidden = self.model(input_ids, positions, meta)
         self.hidden_states = hidden  # every scheduled token's final hidden state (the engine's prompt_logprobs)

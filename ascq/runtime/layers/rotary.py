@@ -51,22 +51,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
 
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([-x2, x1], dim=-1)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [*positions.shape, head_dim] of the given token positions, in `dtype`."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        """cos, sin [T, 1, D] of the positions, in `dtype`: gathered once per step and shared by every layer."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+    @classmethod
+    def rotate(cls, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, heads, D] (q and k heads side by side: one rotation for both) rotated by `cos_sin`."""
+        cos, sin = cos_sin
+        return x * cos + cls._rotate_half(x) * sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D] rotated by their token positions [T]."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x rotated (neox / rotate-half layout); cos/sin broadcast against x."""
-    return x * cos + rotate_half(x) * sin
+        cos_sin = self.cos_sin(positions, q.dtype)
+        return self.rotate(q, cos_sin), self.rotate(k, cos_sin)
