@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from ascq.errors import AscqError, UnsupportedError
+from ascq.models import LLAMA_FAMILY, MODEL_TYPES
 from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, KVHook, head_dim_of, rotary_for
 from ascq.runtime.models.llama import check_llama_config
 
-LLAMA_FAMILY = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "deepseek")
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
 
 
