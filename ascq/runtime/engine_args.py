@@ -38,8 +38,12 @@ class EngineArgs:
     seed: int = 0
     tokenizer: str | Path | None = None
     served_model_name: str | None = None
+    speculative_config: Any = None  # vLLM's dict (or its JSON text); validated into a SpeculativeConfig
 
     def __post_init__(self) -> None:
+        from ascq.runtime.spec_decode.config import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         self.model = Path(self.model)
         if not (self.model / "config.json").is_file():
             raise AscqError(f"{self.model} is not a model folder (no config.json)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ascq.runtime.request import Request
+from ascq.runtime.sampling_params import SamplingParams
 
 
 @dataclass
@@ -39,6 +40,30 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution random sampling draws from, per row [S, V]: temperature, top-k / top-p, min-p, softmax.
+
+    Shared with speculative decoding's rejection sampler, so both sample the same distribution."""
+    logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    if bool((top_k > 0).any() or (top_p < 1).any()):
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    min_p = torch.tensor([p.min_p for p in params])
+    if bool((min_p > 0).any()):
+        logits = apply_min_p(logits, min_p)
+    return logits.softmax(dim=-1)
+
+
+def token_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:
+    """{token: logprob} of the sampled token plus the `num_top` most likely, from one row of log-softmax."""
+    top = {token_id: float(logprobs[token_id])}
+    if num_top > 0:
+        values, ids = logprobs.topk(num_top)
+        top.update(zip(ids.tolist(), values.tolist(), strict=True))
+    return top
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
@@ -62,24 +87,12 @@ class Sampler:
             token_id = int(token_ids[i])
             top = None
             if request.params.logprobs is not None:
-                top = {token_id: float(logprobs[i, token_id])}
-                if request.params.logprobs > 0:
-                    values, ids = logprobs[i].topk(request.params.logprobs)
-                    top.update(zip(ids.tolist(), values.tolist(), strict=True))
+                top = token_logprobs(logprobs[i], token_id, request.params.logprobs)
             results.append(SampleResult(token_id, top))
         return results
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.params for r in requests]
-        logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
-        top_k = torch.tensor([p.top_k for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
-        if bool((top_k > 0).any() or (top_p < 1).any()):
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        min_p = torch.tensor([p.min_p for p in params])
-        if bool((min_p > 0).any()):
-            logits = apply_min_p(logits, min_p)
-        probs = logits.softmax(dim=-1)
+        probs = sampling_probs(logits, [r.params for r in requests])
         return torch.cat([
             torch.multinomial(probs[i], 1, generator=request.generator or self.generator)
             for i, request in enumerate(requests)
