@@ -160,6 +160,10 @@ def generate(
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     kv_cache_memory: Annotated[int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")] = None,
+    speculative_config: Annotated[str | None, typer.Option(
+        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+             '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
 ) -> None:
     """Generate text for one or more prompts offline and print it."""
     from ascq.runtime.llm import LLM
@@ -171,7 +175,8 @@ def generate(
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         llm = LLM(str(model), device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
+                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                  speculative_config=speculative_config)
         if chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
         else:
@@ -203,6 +208,10 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")] = "cpu",
     chat_template: Annotated[str | None, typer.Option(help="Chat template file or inline Jinja text.")] = None,
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+    speculative_config: Annotated[str | None, typer.Option(
+        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+             '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
 ) -> None:
     """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import os
@@ -215,7 +224,8 @@ def serve(
     engine_args = EngineArgs(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory,
-                             seed=seed, served_model_name=served_model_name)
+                             seed=seed, served_model_name=served_model_name,
+                             speculative_config=speculative_config)
     options = ServeOptions(host=host, port=port, api_key=api_key or os.environ.get("ASCQ_API_KEY"),
                            served_model_name=served_model_name, chat_template=chat_template)
     run_server(engine_args, options)

@@ -92,7 +92,9 @@ def test_logits_processor_runs_before_sampling():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"n": 0}, "n must"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
-     ({"logprobs": -1}, "logprobs"), ({"n": 2, "temperature": 0}, "n > 1"), ({"stop": [3]}, "stop")],
+     ({"logprobs": -1}, "logprobs"), ({"stop": [3]}, "stop"), ({"repetition_penalty": 0}, "repetition_penalty"),
+     ({"presence_penalty": 3}, "presence_penalty"), ({"min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+     ({"bad_words": [""]}, "bad_words"), ({"prompt_logprobs": -1}, "prompt_logprobs")],
 )
 def test_invalid_params_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):

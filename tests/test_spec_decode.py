@@ -18,6 +18,7 @@ from ascq.paths import EVAL_TEXT
 from ascq.runtime.engine import LLMEngine
 from ascq.runtime.engine_args import EngineArgs
 from ascq.runtime.request import Request
+from ascq.runtime.sampler import Sampler
 from ascq.runtime.sampling_params import SamplingParams
 from ascq.runtime.spec_decode.config import parse_speculative_config
 from ascq.runtime.spec_decode.ngram_proposer import propose_ngram
@@ -169,8 +170,8 @@ def test_rejection_sampler_emits_the_target_distribution():
     target_logits = torch.randn(k + 1, vocab) * 1.5
     p = target_logits.softmax(-1)
     q = torch.randn(k, vocab).softmax(-1)
-    generator = torch.Generator().manual_seed(1)
-    sampler = RejectionSampler(generator)
+    sampler = RejectionSampler(Sampler(1))
+    generator = sampler.generator
     params = SamplingParams(temperature=1.0, max_tokens=8)
     for use_q in (True, False):
         counts = torch.zeros(vocab)
@@ -348,3 +349,62 @@ def test_no_block_leaked_after_200_requests_with_random_aborts(method, tiny_llam
     stats = engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_preemptions"] > 0
     assert_no_leaks(engine)
+
+
+# ---- interfaces: LLM, CLI generate, server -------------------------------------------------------------------
+
+
+def test_llm_and_cli_generate_take_speculative_config(tiny_llama_dir, capsys):
+    from ascq import LLM
+    from ascq.cli import main
+
+    prompt = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20).generate(prompt, params)[0].outputs[0].text
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20, speculative_config=NGRAM)
+    assert llm.generate(prompt, params)[0].outputs[0].text == plain
+    assert llm.engine.get_stats()["spec_decode_num_drafts"] > 0
+    argv = ["generate", str(tiny_llama_dir), "--prompt", prompt, "--max-tokens", "24", "--kv-cache-memory",
+            str(16 << 20), "--speculative-config", json.dumps(NGRAM)]
+    main(argv)
+    assert capsys.readouterr().out.rstrip("\n") == plain.rstrip("\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv[:-1], '{"method": "ngram"}'])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "num_speculative_tokens" in err and "Traceback" not in err
+
+
+def test_server_streams_speculative_tokens_and_reports_metrics(tiny_llama_dir, tmp_path):
+    import signal
+
+    import httpx
+    from test_server import API_KEY, launch_server, wait_idle
+
+    from ascq import LLM
+
+    prompt = "import os\nimport sys\n\nimport os\nimport sys\n\n"
+    reference = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20).generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0].outputs[0].text
+    process, base_url = launch_server(tiny_llama_dir, tmp_path / "server.log", "--speculative-config",
+                                      json.dumps(NGRAM), api_key=API_KEY)
+    try:
+        body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "stream": True, "ignore_eos": True}
+        chunks = []
+        with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunks.append(json.loads(line[6:])["choices"][0]["text"])
+        assert "".join(chunks) == reference
+        values = wait_idle(base_url)
+        assert values["vllm:spec_decode_num_draft_tokens_total"] > 0
+        assert 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= values["vllm:spec_decode_num_draft_tokens_total"]
+        assert 0 < values["vllm:spec_decode_draft_acceptance_rate"] <= 1
+        assert values["ascq:spec_decode_mean_acceptance_length"] > 1
+        assert values["vllm:generation_tokens_total"] == 32
+        assert values["ascq:num_free_blocks"] == values["ascq:num_total_blocks"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+    assert "Traceback" not in (tmp_path / "server.log").read_text()

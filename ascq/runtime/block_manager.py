@@ -48,7 +48,7 @@ class BlockManager:
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """The longest run of cached blocks matching the request's leading full blocks (never its last token)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:  # needs every position
             return []
         hits = []
         for block_hash in self._hash_blocks(request, (request.num_tokens - 1) // self.block_size):

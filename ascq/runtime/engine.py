@@ -20,6 +20,7 @@ from ascq.runtime.request import Request
 from ascq.runtime.sampler import Sampler
 from ascq.runtime.sampling_params import SamplingParams
 from ascq.runtime.scheduler import Scheduler
+from ascq.runtime.structured_output import StructuredOutputManager
 
 
 def load_tokenizer(path: Any) -> Any:
@@ -40,6 +41,12 @@ def eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def module_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (its weights, before the KV cache is allocated)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 class LLMEngine:
     """Single-threaded; drive it from one thread. See docs/ARCHITECTURE.md "Engine API"."""
 
@@ -54,15 +61,19 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(args.model, self.tokenizer)
         self.vocab_size = int(config["vocab_size"])
         torch.manual_seed(args.seed)
+        args.check_quantization(config)
+        free_before_load = args.available_memory()
         self.model, self.quant_config = load_model(args.model, args.device, self.dtype, config)
         self.kv_cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
         self.block_bytes = bytes_per_block(self.model, args.block_size, self.kv_cache_dtype)
-        num_blocks = num_blocks_for(args.resolve_kv_cache_memory(), self.block_bytes, args.num_gpu_blocks_override)
+        num_blocks = num_blocks_for(args.resolve_kv_cache_memory(free_before_load, module_bytes(self.model)), self.block_bytes, args.num_gpu_blocks_override)
         allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, args.block_size, self.device)
-        self.sampler = sampler or Sampler(args.seed)
+        self.sampler = sampler or Sampler(args.seed, self.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}  # id(sequence) -> per prompt token
         self._init_speculation(sampler)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
@@ -78,6 +89,10 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids, params)
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # ValueError for a bad schema, before admission
         sequences = []
         for index in range(params.n):
             generator = None
@@ -87,6 +102,10 @@ class LLMEngine:
         self.requests[request_id] = sequences
         for sequence in sequences:
             self.detokenizers[id(sequence)] = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            if params.structured_outputs is not None:
+                self.structured.add(id(sequence), params.structured_outputs)
+            if params.prompt_logprobs is not None:
+                self.prompt_logprobs[id(sequence)] = [None]
             self.scheduler.add_request(sequence)
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -94,6 +113,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if message := params.token_ids_in_range(self.vocab_size):
+            raise ValueError(message)
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -127,10 +148,12 @@ class LLMEngine:
         if not scheduled.requests:
             return outputs
         logits, sampling = self.runner.execute(scheduled)
+        if self.prompt_logprobs:
+            self._record_prompt_logprobs(scheduled)
         self.scheduler.update_after_step(scheduled)
         advanced: dict[str, None] = {}
         if self.proposer is None:
-            results = [[r] for r in self.sampler(logits, sampling)] if sampling else []
+            results = [[r] for r in self._sample(logits, sampling)] if sampling else []
         else:
             results = self._verify(logits, sampling, scheduled)
         for request, tokens in zip(sampling, results, strict=True):
@@ -147,6 +170,30 @@ class LLMEngine:
                 self._forget(request_id)
         return outputs
 
+    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> list[Any]:
+        bitmask = self.structured.bitmask([id(r) for r in sampling])
+        if bitmask is None:  # custom samplers need not know structured outputs
+            return self.sampler(logits, sampling)
+        return self.sampler(logits, sampling, token_bitmask=bitmask)
+
+    def _record_prompt_logprobs(self, scheduled: Any) -> None:
+        """log-softmax of the raw logits at every newly computed prompt position (vLLM's prompt_logprobs)."""
+        start = 0
+        for request, num_new in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True):
+            recorded = self.prompt_logprobs.get(id(request))
+            first = request.num_computed_tokens  # predicts token first + 1
+            if recorded is not None and first < len(recorded) <= first + num_new and len(recorded) < request.num_prompt_tokens:
+                rows = torch.arange(start + len(recorded) - 1 - first, start + min(num_new, request.num_prompt_tokens - 1 - first))
+                logprobs = self.model.compute_logits(self.runner.hidden_states[rows]).float().log_softmax(-1).cpu()
+                top_n = request.params.prompt_logprobs
+                for row, token_id in zip(logprobs, request.token_ids[len(recorded):request.num_prompt_tokens], strict=False):
+                    entry = {token_id: float(row[token_id])}
+                    if top_n:
+                        values, ids = row.topk(top_n)
+                        entry.update(zip(ids.tolist(), values.tolist(), strict=True))
+                    recorded.append(entry)
+            start += num_new
+
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> None:
         request.append_token(token_id)
         self.num_generation_tokens += 1
@@ -156,13 +203,23 @@ class LLMEngine:
         delta = self.detokenizers[id(request)].add_token(token_id)
         request.output_text += delta
         params = request.params
-        if token_id in self.eos_token_ids and not params.ignore_eos:
-            self._finish(request, "stop")
+        grammar_done = self.structured.accept(id(request), token_id)
+        text = request.output_text
+        keep = params.include_stop_str_in_output
+        stop: tuple[int | str | None, int] | None = None  # (stop_reason, length of the text to keep)
+        if request.num_output_tokens < params.min_tokens:
+            pass
+        elif token_id in self.eos_token_ids and not params.ignore_eos:
+            stop = (None, len(text) if keep else len(text) - len(delta))
         elif token_id in params.stop_token_ids:
-            self._finish(request, "stop", token_id)
-        elif delta and params.stop and (match := find_stop_string(request.output_text, len(delta), params.stop)):
-            request.output_text = request.output_text[: match[0]]
-            self._finish(request, "stop", match[1])
+            stop = (token_id, len(text) if keep else len(text) - len(delta))
+        elif delta and params.stop and (match := find_stop_string(text, len(delta), params.stop)):
+            stop = (match[1], match[0] + len(match[1]) if keep else match[0])
+        elif grammar_done:
+            stop = (None, len(text))
+        if stop is not None:
+            request.output_text = text[: stop[1]]
+            self._finish(request, "stop", stop[0])
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, "length")
 
@@ -189,12 +246,14 @@ class LLMEngine:
         return RequestOutput(
             request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=all(s.is_finished for s in sequences),
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=self.prompt_logprobs.get(id(first)),
         )
 
     def _forget(self, request_id: str) -> None:
         for sequence in self.requests.pop(request_id, []):
             self.detokenizers.pop(id(sequence), None)
+            self.structured.remove(id(sequence))
+            self.prompt_logprobs.pop(id(sequence), None)
 
     # ---- speculative decoding (ascq/runtime/spec_decode/) ----------------------------------------------
 
@@ -210,7 +269,7 @@ class LLMEngine:
         from ascq.runtime.spec_decode.rejection_sampler import RejectionSampler
 
         self.proposer = make_proposer(config, self)
-        self.rejection_sampler = RejectionSampler(self.sampler.generator)
+        self.rejection_sampler = RejectionSampler(self.sampler)
 
     def _verify(self, logits: torch.Tensor, sampling: list[Request], scheduled: Any) -> list[list[Any]]:
         """Tokens per sampled request: the sampler's one for requests without proposals, the rejection
@@ -225,7 +284,7 @@ class LLMEngine:
         results: list[list[Any]] = [[] for _ in sampling]
         if plain:
             rows = torch.tensor([starts[i] for i in plain], device=logits.device)
-            for i, result in zip(plain, self.sampler(logits[rows], [sampling[i] for i in plain]), strict=True):
+            for i, result in zip(plain, self._sample(logits[rows], [sampling[i] for i in plain]), strict=True):
                 results[i] = [result]
         if verified:
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in verified]).to(logits.device)
@@ -246,7 +305,8 @@ class LLMEngine:
             if spec and not request.is_finished:
                 self.scheduler.rollback_rejected(request)
             request.spec_token_ids, request.spec_token_probs = [], None
-        running = [r for r in sampling if not r.is_finished]
+        # structured-output requests run without proposals (their grammar would have to walk the drafts)
+        running = [r for r in sampling if not r.is_finished and id(r) not in self.structured.matchers]
         if not running:
             return
         # room left: the last emitted token plus the proposals must stay within max_tokens and max_model_len

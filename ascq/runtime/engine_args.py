@@ -39,6 +39,13 @@ class EngineArgs:
     tokenizer: str | Path | None = None
     served_model_name: str | None = None
     speculative_config: Any = None  # vLLM's dict (or its JSON text); validated into a SpeculativeConfig
+    # vLLM's names: accepted with their meaning, or rejected with a reason (see check_vllm_args)
+    gpu_memory_utilization: float | None = None  # share of free memory (RAM / HBM) for weights + KV cache
+    quantization: str | None = None  # must match the checkpoint's quant_method
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    swap_space: float = 0
+    cpu_offload_gb: float = 0
 
     def __post_init__(self) -> None:
         from ascq.runtime.spec_decode.config import parse_speculative_config
@@ -64,6 +71,32 @@ class EngineArgs:
             raise AscqError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise AscqError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
+        self._check_vllm_args()
+
+    def _check_vllm_args(self) -> None:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise AscqError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.trust_remote_code:
+            raise UnsupportedError("trust_remote_code=True is not supported: ascq runs only its own model code")
+        if self.tensor_parallel_size != 1:  # the multi-device executor plugs in here
+            raise UnsupportedError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported; supported: 1")
+        if self.swap_space:
+            raise UnsupportedError("swap_space (CPU swap of preempted KV blocks) is not supported; preempted requests "
+                                   "are recomputed (use swap_space=0)")
+        if self.cpu_offload_gb:
+            raise UnsupportedError("cpu_offload_gb (weight offloading) is not supported (use cpu_offload_gb=0)")
+
+    def check_quantization(self, config: dict[str, Any]) -> None:
+        """`quantization` is what the user expects the checkpoint to be: a mismatch is an error, never a cast."""
+        if self.quantization is None:
+            return
+        raw = config.get("quantization_config") or config.get("compression_config")
+        method = (raw or {}).get("quant_method")
+        if method is None:
+            raise AscqError(f"quantization={self.quantization!r} but {self.model} is not quantized (ascq quantizes "
+                            "offline: ascq convert); drop quantization to serve it unquantized")
+        if self.quantization.replace("_", "-") != method:
+            raise AscqError(f"quantization={self.quantization!r} but {self.model} is quantized with {method!r}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -88,9 +121,28 @@ class EngineArgs:
             raise AscqError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
         return self.max_model_len
 
-    def resolve_kv_cache_memory(self) -> int:
+    def available_memory(self) -> int:
+        """Free bytes on the device (host RAM for the CPU backends), read before the weights load."""
+        kind = self.torch_device.type
+        if kind in ("cuda", "npu"):
+            free, _ = getattr(torch, kind).mem_get_info(self.torch_device)
+            return int(free)
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+
+    def resolve_kv_cache_memory(self, free_before_load: int | None = None, weight_bytes: int = 0) -> int:
+        """KV bytes: kv_cache_memory; else gpu_memory_utilization x free memory (before load) minus the weights;
+        else a default share of what is free now."""
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
+        if self.gpu_memory_utilization is not None and free_before_load is not None:
+            budget = int(self.gpu_memory_utilization * free_before_load) - weight_bytes
+            if budget <= 0:
+                raise AscqError(
+                    f"gpu_memory_utilization {self.gpu_memory_utilization} of {free_before_load / 2**30:.2f} GiB free "
+                    f"leaves no room for the KV cache after {weight_bytes / 2**30:.2f} GiB of weights")
+            return budget
         if self.torch_device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.torch_device)
             return int(free * 0.8)

@@ -54,6 +54,7 @@ class ModelRunner:
         k proposed tokens 1 + k rows (the last own token's and each proposed token's), in request order."""
         input_ids, positions, meta, last_rows = self.prepare(out)
         hidden = self.model(input_ids, positions, meta)
+        self.hidden_states = hidden  # every scheduled token's final hidden state (the engine's prompt_logprobs)
         spec_token_ids = out.spec_token_ids or [[]] * len(out.requests)
         rows, sampling = [], []
         for row, request, num_new, spec in zip(last_rows, out.requests, out.num_scheduled_tokens, spec_token_ids,

@@ -1,8 +1,12 @@
-"""Turn each request's next-token logits into a token: greedy or temperature with top-k / top-p / min-p.
+"""Turn each request's next-token logits into a token, as one batch: vLLM's logits pipeline, then greedy or
+temperature with top-k / top-p / min-p.
 
-Plug-in points: per-request `SamplingParams.logits_processors` (fn(output_token_ids, logits) -> logits, run before
-everything else), or a whole custom sampler passed to `LLMEngine(..., sampler=...)` with this `__call__`.
-Logprobs are those of the (processed) logits before temperature and truncation, as vLLM reports them.
+Order (vLLM v1): per-request `logits_processors` (offline plug-in, fn(output_token_ids, logits) -> logits) ->
+structured-output token bitmask -> allowed_token_ids, bad_words, min_tokens (stop tokens banned), logit_bias ->
+repetition / frequency / presence penalties -> logprobs -> temperature, min-p, top-k / top-p -> sample.
+Every step is a tensor op over the whole batch; Python only walks each request's own sparse entries (bias items,
+banned ids), never the vocabulary. A custom sampler can be passed to `LLMEngine(..., sampler=...)` with this
+`__call__`. Logprobs are those of the processed logits before temperature and truncation.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 
 from ascq.runtime.request import Request
 from ascq.runtime.sampling_params import SamplingParams
+from ascq.runtime.structured_output import apply_token_bitmask
 
 
 @dataclass
@@ -64,17 +69,55 @@ def token_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> dict[
     return top
 
 
+def padded(rows: list[list[int]], pad: int) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), width)
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, V] occurrence counts of the token ids [S, L]; ids == vocab_size are padding."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
+                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties on logits [S, V]. prompt_ids / output_ids [S, L] are padded with V.
+
+    repetition: tokens seen in prompt or output are divided by it when positive, multiplied when negative;
+    frequency: minus penalty x count in the output; presence: minus penalty once if in the output.
+    """
+    vocab = logits.shape[-1]
+    output_counts = token_counts(output_ids, vocab)
+    seen = (token_counts(prompt_ids, vocab) > 0) | (output_counts > 0)
+    rep = repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * (output_counts > 0)
+
+
+def bad_word_bans(request: Request) -> list[int]:
+    """Tokens that would complete one of the request's bad words given its output so far (vLLM's rule)."""
+    output = request.output_token_ids
+    bans = []
+    for word in request.params.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix):] == prefix):
+            bans.append(word[-1])
+    return bans
+
+
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
+        self.eos_token_ids = sorted(eos_token_ids)  # banned before min_tokens
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
-        """logits: fp32 [len(requests), vocab] on any device; sampling runs on the CPU."""
-        logits = logits.float().cpu()
-        for i, request in enumerate(requests):
-            for processor in request.params.logits_processors:
-                logits[i] = processor(request.output_token_ids, logits[i])
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 token_bitmask: torch.Tensor | None = None) -> list[SampleResult]:
+        """logits: fp32 [len(requests), vocab] on any device; sampling runs on the CPU. token_bitmask: xgrammar's
+        int32 [len(requests), ceil(vocab / 32)] allowed-token bits (structured outputs)."""
+        logits = self.process(logits, requests, token_bitmask)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
@@ -91,9 +134,84 @@ class Sampler:
             results.append(SampleResult(token_id, top))
         return results
 
+    def process(self, logits: torch.Tensor, requests: list[Request],
+                token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits pipeline up to (not including) temperature: fp32 on the CPU. Rows need only `params`,
+        `prompt_token_ids`, `output_token_ids` and `num_output_tokens` (speculative decoding passes views whose
+        output includes the proposed tokens before that row)."""
+        logits = logits.float().cpu()
+        for i, request in enumerate(requests):
+            for processor in request.params.logits_processors:
+                logits[i] = _call_processor(processor, request, logits[i])
+        if token_bitmask is not None:
+            apply_token_bitmask(logits, token_bitmask)
+        logits = self._apply_bans_and_bias(logits, requests)
+        penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        if penalized:
+            logits[penalized] = self._penalize(logits[penalized], [requests[i] for i in penalized])
+        return logits
+
+    def _apply_bans_and_bias(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """allowed_token_ids, bad_words, min_tokens and logit_bias as sparse (row, token) updates of the batch."""
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        only_rows: list[int] = []
+        only_ids: list[int] = []
+        for i, request in enumerate(requests):
+            params = request.params
+            bans = bad_word_bans(request) if params.bad_words_token_ids else []
+            if request.num_output_tokens < params.min_tokens:
+                bans += params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
+            ban_rows += [i] * len(bans)
+            ban_ids += bans
+            if params.logit_bias:
+                bias_rows += [i] * len(params.logit_bias)
+                bias_ids += list(params.logit_bias)
+                bias_values += list(params.logit_bias.values())
+            if params.allowed_token_ids:
+                only_rows += [i] * len(params.allowed_token_ids)
+                only_ids += params.allowed_token_ids
+        if only_rows:
+            rows = sorted(set(only_rows))
+            keep = torch.zeros_like(logits, dtype=torch.bool)
+            keep[only_rows, only_ids] = True
+            keep[[i for i in range(len(requests)) if i not in rows]] = True
+            logits = logits.masked_fill(~keep, float("-inf"))
+        if bias_rows:
+            logits.index_put_((torch.tensor(bias_rows), torch.tensor(bias_ids)), torch.tensor(bias_values),
+                              accumulate=True)
+        if ban_rows:
+            logits[ban_rows, ban_ids] = float("-inf")
+        return logits
+
+    def _penalize(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        return apply_penalties(
+            logits, padded([r.prompt_token_ids for r in requests], vocab),
+            padded([r.output_token_ids for r in requests], vocab),
+            torch.tensor([r.params.repetition_penalty for r in requests]),
+            torch.tensor([r.params.frequency_penalty for r in requests]),
+            torch.tensor([r.params.presence_penalty for r in requests]))
+
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         probs = sampling_probs(logits, [r.params for r in requests])
         return torch.cat([
             torch.multinomial(probs[i], 1, generator=request.generator or self.generator)
             for i, request in enumerate(requests)
         ])
+
+
+def _call_processor(processor, request: Request, logits: torch.Tensor) -> torch.Tensor:
+    """vLLM accepts fn(output_ids, logits) and fn(prompt_ids, output_ids, logits)."""
+    import inspect
+
+    try:
+        num_args = len(inspect.signature(processor).parameters)
+    except (TypeError, ValueError):
+        num_args = 2
+    if num_args == 3:
+        return processor(request.prompt_token_ids, request.output_token_ids, logits)
+    return processor(request.output_token_ids, logits)

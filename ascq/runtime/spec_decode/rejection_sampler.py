@@ -4,7 +4,9 @@ Per sequence the target produced 1 + k rows of logits: row j is the distribution
 Greedy sequences accept proposed tokens while they equal the target's argmax and then emit the target's argmax.
 Random sequences accept proposed token d_j with probability min(1, p(d_j) / q(d_j)) and, at the first rejection,
 emit a token drawn from the normalized max(p - q, 0); when all k are accepted a bonus token is drawn from the last
-row. p is the target's sampling distribution (the sampler's `sampling_probs`: temperature, top-k/top-p, min-p);
+row. p is the target's sampling distribution: the sampler's own logits pipeline (`Sampler.process`: logits
+processors, bans, bias, penalties, with the proposed tokens before each row as history) and `sampling_probs`
+(temperature, min-p, top-k/top-p);
 q is the draft model's, or one-hot on d_j for proposers without a distribution (n-gram). Every emitted token is
 therefore distributed exactly as without speculation.
 """
@@ -14,19 +16,19 @@ from __future__ import annotations
 import torch
 
 from ascq.runtime.request import Request
-from ascq.runtime.sampler import SampleResult, sampling_probs, token_logprobs
+from ascq.runtime.sampler import Sampler, SampleResult, sampling_probs, token_logprobs
 
 
-def apply_logits_processors(logits: torch.Tensor, request: Request, draft_token_ids: list[int]) -> torch.Tensor:
-    """Row j sees the output so far plus the j first proposed tokens as its history."""
-    if not request.params.logits_processors:
-        return logits
-    logits = logits.clone()
-    for j in range(logits.shape[0]):
-        history = request.output_token_ids + draft_token_ids[:j]
-        for processor in request.params.logits_processors:
-            logits[j] = processor(history, logits[j])
-    return logits
+class DraftRow:
+    """Row j of a request's verification: the request as seen after its j first proposed tokens (what the
+    sampler's logits pipeline reads: penalties, bad words, min_tokens and logits processors see that history)."""
+
+    def __init__(self, request: Request, proposed: list[int]) -> None:
+        self.params = request.params
+        self.generator = request.generator
+        self.prompt_token_ids = request.prompt_token_ids
+        self.output_token_ids = request.output_token_ids + proposed
+        self.num_output_tokens = len(self.output_token_ids)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, draft_token_id: int) -> torch.Tensor:
@@ -41,8 +43,9 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, draft_token_i
 
 
 class RejectionSampler:
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator = generator  # for requests without their own seed
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler  # its logits pipeline, and its generator for requests without their own seed
+        self.generator = sampler.generator
 
     @torch.inference_mode()
     def __call__(
@@ -53,11 +56,13 @@ class RejectionSampler:
         draft_probs: list[torch.Tensor | None],
     ) -> list[list[SampleResult]]:
         """logits [sum(1 + k_i), V]: 1 + k_i rows per request, in order -> the tokens each request emits."""
-        logits = logits.float().cpu()
+        views = [DraftRow(r, drafts[:j]) for r, drafts in zip(requests, draft_token_ids, strict=True)
+                 for j in range(len(drafts) + 1)]
+        logits = self.sampler.process(logits, views)
         results = []
         row = 0
         for request, drafts, q in zip(requests, draft_token_ids, draft_probs, strict=True):
-            rows = apply_logits_processors(logits[row:row + len(drafts) + 1], request, drafts)
+            rows = logits[row:row + len(drafts) + 1]
             row += len(drafts) + 1
             if request.params.greedy:
                 token_ids = self._greedy(rows, drafts)
