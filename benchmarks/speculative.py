@@ -10,7 +10,7 @@ Prompt sets (chat template applied): `edit` — code-editing requests that resta
 (the n-gram proposer's home ground); `chat` — eight general chat prompts.
 
     OMP_NUM_THREADS=2 python benchmarks/speculative.py --model zoo/smollm2-135m-instruct \
-        --draft /path/to/smollm2-135m-instruct-awq-int4 [--rounds 3] [--max-tokens 96] [--json out.json]
+        --draft /path/to/smollm2-135m-instruct-awq-int4 [--rounds 3] [--max-tokens 96] [--num-prompts N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--sets", nargs="+", default=["edit", "chat"], choices=sorted(PROMPT_SETS))
+    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts of each set")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
@@ -118,7 +119,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     results = {}
     for set_name in args.sets:
-        prompts = chat_prompts(engines["none"], PROMPT_SETS[set_name])
+        prompts = chat_prompts(engines["none"], PROMPT_SETS[set_name][: args.num_prompts])
         for llm in engines.values():  # warm-up (kernel builds, first-call allocations)
             llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
         before = {name: dict(llm.engine.get_stats()) for name, llm in engines.items()}
