@@ -37,11 +37,12 @@ def test_chat_template_from_file_inline_and_missing(tmp_path: Path, tiny_llama_d
 
 
 def test_request_models_are_strict() -> None:
-    ok = CompletionRequest.model_validate({"prompt": ["a", "b"], "temperature": 1, "unknown_field": [1]})
+    ok = CompletionRequest.model_validate({"prompt": ["a", "b"], "temperature": 1, "suffix": None, "store": False})
     assert ok.prompts() == ["a", "b"] and ok.temperature == 1.0
     assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompts() == [[5, 6]]
     for bad in ({"prompt": "a", "temperature": "0.5"}, {"prompt": "a", "stream": "yes"}, {"prompt": []},
-                {"prompt": "a", "frequency_penalty": 0.3}, {"prompt": "a", "n": 0}):
+                {"prompt": "a", "frequency_penalty": 2.5}, {"prompt": "a", "n": 0}, {"prompt": "a", "unknown_field": 1},
+                {"prompt": "a", "suffix": "x"}, {"prompt": "a", "best_of": 2}):
         with pytest.raises(ValueError):
             CompletionRequest.model_validate(bad)
     chat = ChatCompletionRequest.model_validate(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import signal
+import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -25,15 +27,25 @@ import ascq
 from ascq.errors import AscqError
 from ascq.runtime.server.async_engine import AsyncEngine
 from ascq.runtime.server.chat_template import ChatPrompter
-from ascq.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ascq.runtime.server.listen import bind_socket
+from ascq.runtime.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    UnsupportedFieldError,
+)
 from ascq.runtime.server.serving import OpenAIServing
 
 MAX_BODY_BYTES = 16 << 20
+logger = logging.getLogger("ascq.serve")
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def create_app(engine: AsyncEngine, tokenizer: Any, prompter: ChatPrompter, model_name: str,
-               max_model_len: int, vocab_size: int, api_key: str | None = None) -> FastAPI:
+               max_model_len: int, vocab_size: int, api_key: str | None = None,
+               tool_options: Any = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
@@ -41,7 +53,7 @@ def create_app(engine: AsyncEngine, tokenizer: Any, prompter: ChatPrompter, mode
         engine.stop()
 
     app = FastAPI(title="ascq", version=ascq.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
-    serving = OpenAIServing(engine, tokenizer, prompter, model_name, max_model_len, vocab_size)
+    serving = OpenAIServing(engine, tokenizer, prompter, model_name, max_model_len, vocab_size, tool_options)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_exception_handler(APIError, _api_error_response)
     app.add_exception_handler(StarletteHTTPException, _http_error_response)
@@ -63,9 +75,26 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def metrics() -> Response:
         return Response(serving.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        return Response(status_code=200 if serving.engine.is_alive else 503)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return serving.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        return serving.model(model_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return serving.tokenize(await parse_body(request, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return serving.detokenize(await parse_body(request, DetokenizeRequest))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -108,7 +137,11 @@ async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part)) or None
+        parts = [str(part) for part in first["loc"] if not _is_union_tag(part)]
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, UnsupportedFieldError):
+            parts.append(cause.field)
+        param = ".".join(parts) or None
         message = first["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
 
@@ -118,15 +151,19 @@ def _is_union_tag(loc_part: str | int) -> bool:
     return isinstance(loc_part, str) and (loc_part in ("str", "int", "float", "bool") or "[" in loc_part)
 
 
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
 class ApiKeyMiddleware:
-    """`/v1/*` needs `Authorization: Bearer KEY` when the server has a key; /health, /metrics stay open."""
+    """`/v1/*`, /tokenize and /detokenize need `Authorization: Bearer KEY` when the server has a key; /health,
+    /ping, /version and /metrics stay open (probes and scrapers)."""
 
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if self.expected and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if self.expected and scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
@@ -166,12 +203,55 @@ class ServeOptions:
     served_model_name: str | None = None
     chat_template: str | None = None
     log_level: str = "info"
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        from ascq.runtime.server.tool_calls import TOOL_CALL_PARSERS
+
         if not 0 <= self.port <= 65535:
             raise AscqError(f"--port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
             raise AscqError("--api-key must not be empty")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise AscqError(f"--tool-call-parser {self.tool_call_parser!r} is not supported; supported: "
+                            f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise AscqError("--enable-auto-tool-choice needs --tool-call-parser (supported: "
+                            f"{', '.join(TOOL_CALL_PARSERS)})")
+
+
+def check_kv_fits_one_sequence(engine: Any) -> None:
+    """Refuse to serve when the KV cache cannot hold a single max_model_len sequence (vLLM's startup check)."""
+    blocks = engine.block_manager
+    num_tokens = blocks.num_blocks * blocks.block_size
+    if num_tokens >= engine.max_model_len:
+        return
+    needed = blocks.blocks_needed(engine.max_model_len) * engine.block_bytes
+    raise AscqError(
+        f"the KV cache holds {num_tokens} tokens ({blocks.num_blocks} blocks of {blocks.block_size}), fewer than one "
+        f"max_model_len {engine.max_model_len} sequence needs: give --kv-cache-memory {needed} (or more), or "
+        f"--max-model-len {num_tokens} (or less)")
+
+
+def startup_lines(engine: Any, model_name: str, options: ServeOptions) -> list[str]:
+    args, blocks = engine.args, engine.block_manager
+    schemes = sorted({group[1] for group in engine.quant_config.groups}) if engine.quant_config else ["dense"]
+    kv_dtype = str(engine.kv_cache_dtype).removeprefix("torch.")
+    host = f"[{options.host}]" if ":" in options.host else options.host
+    auth = ("on (Authorization: Bearer required on /v1/*, /tokenize, /detokenize)" if options.api_key else
+            "off (no API key: anyone who can reach the port can use it)")
+    return [
+        f"model: {args.model} (served as '{model_name}')",
+        f"dtype: {str(engine.dtype).removeprefix('torch.')}, scheme: {', '.join(schemes)}, device: {args.device}",
+        f"KV cache: {blocks.num_blocks} blocks x {blocks.block_size} tokens = {blocks.num_blocks * blocks.block_size} "
+        f"tokens ({blocks.num_blocks * engine.block_bytes / 2**20:.1f} MiB, {kv_dtype}), prefix caching "
+        f"{'on' if blocks.enable_prefix_caching else 'off'}",
+        f"max_model_len: {engine.max_model_len}, max_num_seqs: {args.max_num_seqs}",
+        f"auth: {auth}",
+        f"tool calling: {options.tool_call_parser + ' parser, auto tool choice ' + ('on' if options.enable_auto_tool_choice else 'off') if options.tool_call_parser else 'named/required tool_choice only'}",
+        f"URL: http://{host}:{options.port}/v1",
+    ]
 
 
 class _Server(uvicorn.Server):
@@ -186,26 +266,37 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(engine_args: Any, options: ServeOptions) -> None:
-    """Load the model, serve until SIGTERM/SIGINT, drain, return (exit code 0)."""
+def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | None = None) -> None:
+    """Load the model, serve until SIGTERM/SIGINT, drain, return (exit code 0). `sock`: the already bound
+    listening socket (bind_socket), else it is bound here, still before the model loads."""
     from transformers import AutoTokenizer
 
     from ascq.runtime.engine import LLMEngine
     from ascq.runtime.server.chat_template import load_chat_template
     from ascq.runtime.server.metrics import ServerMetrics
 
+    sock = sock or bind_socket(options.host, options.port)
+    if not logger.handlers:  # uvicorn configures only its own loggers
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     template = load_chat_template(options.chat_template)
     model_name = options.served_model_name or engine_args.served_model_name or str(engine_args.model)
     engine = LLMEngine(engine_args)
+    check_kv_fits_one_sequence(engine)
+    options.port = sock.getsockname()[1]
+    for line in startup_lines(engine, model_name, options):
+        logger.info(line)
     # the event loop's own tokenizer copy: HF fast tokenizers must not be shared across threads
     tokenizer = AutoTokenizer.from_pretrained(str(engine_args.tokenizer or engine_args.model))
     async_engine = AsyncEngine(engine, ServerMetrics(model_name))
     app = create_app(async_engine, tokenizer, ChatPrompter(tokenizer, template), model_name, engine.max_model_len,
-                     engine.vocab_size, options.api_key)
+                     engine.vocab_size, options.api_key, tool_options=options)
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                                timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     # uvicorn re-raises the caught signal after its graceful shutdown; with these no-op handlers restored
     # first, a drained SIGTERM ends the process with exit code 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    _Server(uv_config, async_engine).run()
+    _Server(uv_config, async_engine).run(sockets=[sock])

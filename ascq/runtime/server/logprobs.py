@@ -22,11 +22,20 @@ class LogprobFormatter:
         for token_id, step in zip(token_ids, _padded(steps, len(token_ids)), strict=True):
             text = self._text(token_id)
             result.tokens.append(text)
-            result.token_logprobs.append(step.get(token_id) if step else None)
+            result.token_logprobs.append(finite(step[token_id]) if step and token_id in step else None)
             result.top_logprobs.append(self._top_dict(step, top_n) if step else None)
             result.text_offset.append(text_offset)
             text_offset += len(text)
         return result
+
+    @staticmethod
+    def concat(first: CompletionLogprobs | None, second: CompletionLogprobs | None) -> CompletionLogprobs | None:
+        if first is None or second is None:
+            return first or second
+        return CompletionLogprobs(tokens=first.tokens + second.tokens,
+                                  token_logprobs=first.token_logprobs + second.token_logprobs,
+                                  top_logprobs=first.top_logprobs + second.top_logprobs,
+                                  text_offset=first.text_offset + second.text_offset)
 
     def chat(self, token_ids: list[int], steps: list[dict[int, float]] | None,
              top_n: int | None) -> ChatLogprobs | None:
@@ -35,15 +44,15 @@ class LogprobFormatter:
             return None
         content = []
         for token_id, step in zip(token_ids, _padded(steps, len(token_ids)), strict=True):
-            top = [self._entry(t, lp) for t, lp in _top(step, top_n)]
-            sampled = self._entry(token_id, (step or {}).get(token_id, MISSING_LOGPROB))
+            top = [self._entry(t, finite(lp)) for t, lp in _top(step, top_n)]
+            sampled = self._entry(token_id, finite((step or {}).get(token_id, MISSING_LOGPROB)))
             content.append(TokenLogprob(**sampled.model_dump(), top_logprobs=top))
         return ChatLogprobs(content=content)
 
     def _top_dict(self, step: dict[int, float], top_n: int) -> dict[str, float]:
         top: dict[str, float] = {}
         for token_id, logprob in _top(step, top_n):  # distinct ids may decode alike (partial UTF-8): keep the best
-            top.setdefault(self._text(token_id), logprob)
+            top.setdefault(self._text(token_id), finite(logprob))
         return top
 
     def _text(self, token_id: int) -> str:
@@ -52,6 +61,11 @@ class LogprobFormatter:
     def _entry(self, token_id: int, logprob: float) -> TopLogprob:
         text = self._text(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: a token masked out (structured outputs, bans) reports vLLM's -9999.0."""
+    return max(logprob, MISSING_LOGPROB)
 
 
 def _padded(steps: list[dict[int, float]] | None, length: int) -> list[dict[int, float] | None]:

@@ -1,7 +1,11 @@
 """OpenAI request/response shapes (pydantic) and OpenAI's error JSON, for completions and chat completions.
 
-Requests are validated strictly (a string where a number belongs is a 400, as OpenAI does); unknown fields are
-ignored, like vLLM. vLLM's sampling extensions (top_k, min_p, stop_token_ids, ignore_eos) are accepted too.
+Requests are validated strictly (a string where a number belongs is a 400, as OpenAI does). No field is ever
+silently ignored: an OpenAI field ascq does not implement (`UNSUPPORTED_FIELDS`) is a 400 naming it unless its
+value is a no-op, and so is any field neither OpenAI nor vLLM defines. vLLM's extensions (top_k, min_p,
+repetition_penalty, min_tokens, stop_token_ids, ignore_eos, bad_words, allowed_token_ids, prompt_logprobs,
+include_stop_str_in_output, skip_special_tokens, structured_outputs, guided_json / guided_regex / guided_choice /
+guided_grammar) are accepted too.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
@@ -34,12 +38,91 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
+# OpenAI request fields ascq does not implement -> (values that change nothing and are accepted, why not)
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "suffix": (("",), "insertion (suffix) is not supported"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only the text modality is supported"),
+    "functions": ((), "the deprecated 'functions' API is not supported; use 'tools'"),
+    "function_call": ((), "the deprecated 'function_call' API is not supported; use 'tool_choice'"),
+    "metadata": (({},), "stored-completion metadata is not supported"),
+    "store": ((False,), "stored completions are not supported"),
+    "moderation": ((), "moderation is not supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "prompt_cache_key": ((), "prompt cache routing keys are not supported (prefix caching is automatic)"),
+    "prompt_cache_options": ((), "prompt cache options are not supported (prefix caching is automatic)"),
+    "prompt_cache_retention": ((), "prompt cache retention is not supported (prefix caching is automatic)"),
+    "reasoning_effort": ((), "reasoning effort is not supported (no reasoning model)"),
+    "safety_identifier": ((), "safety identifiers are not supported"),
+    "service_tier": (("auto", "default"), "service tiers are not supported"),
+    "verbosity": ((), "verbosity is not supported"),
+    "web_search_options": ((), "web search is not supported"),
+}
+
+
 class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        for name, value in data.items():
+            if name in known:
+                continue
+            if name in UNSUPPORTED_FIELDS:
+                no_ops, reason = UNSUPPORTED_FIELDS[name]
+                if value is None or any(value == v and type(value) is type(v) for v in no_ops):
+                    continue
+                raise UnsupportedFieldError(name, f"{name} is not supported by this server: {reason}")
+            raise UnsupportedFieldError(name, f"unknown field {name!r} (not an OpenAI or vLLM request field)")
+        return {k: v for k, v in data.items() if k in known}
+
+
+class UnsupportedFieldError(ValueError):
+    """Raised inside validation; api_server turns it into a 400 with `param` set to the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema")
+        return self
+
+
+class StructuredOutputsField(StrictModel):
+    """vLLM's `structured_outputs` request field."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
 
 class SamplingFields(StrictModel):
@@ -56,18 +139,33 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0  # accepted when 0: the runtime has no penalties
-    frequency_penalty: float = 0.0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id for the caller's own records; it does not change the output
 
-    @model_validator(mode="after")
-    def _no_penalties(self) -> SamplingFields:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ValueError(f"{name} is not supported by this server (must be 0)")
-        return self
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return bias
 
 
 class CompletionRequest(SamplingFields):
@@ -75,7 +173,15 @@ class CompletionRequest(SamplingFields):
         list[str], Field(min_length=1, max_length=MAX_BATCH)] | Annotated[
         list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)]
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: Literal[False] = False  # prompt logprobs are not computed, so echo is not offered
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedFieldError("best_of", f"best_of {self.best_of} > n {self.n} is not supported (as in "
+                                        "vLLM v1): every generated sequence is returned; use n")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (OpenAI allows a batch in one request)."""
@@ -89,14 +195,57 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+
+    def as_template_dict(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(StrictModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -105,12 +254,42 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                t.function.name for t in self.tools or []}:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, not in tools")
         return self
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
 
 
 class Usage(BaseModel):
@@ -150,7 +329,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -161,9 +341,17 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

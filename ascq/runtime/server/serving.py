@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ascq.errors import AscqError
 from ascq.runtime.sampling_params import SamplingParams
 from ascq.runtime.server.async_engine import AsyncEngine, RequestGroup
 from ascq.runtime.server.chat_template import ChatPrompter
@@ -30,18 +31,30 @@ from ascq.runtime.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
+    DetokenizeRequest,
     SamplingFields,
+    TokenizeRequest,
     Usage,
     random_id,
 )
+from ascq.runtime.server.tool_calls import (
+    forced_tool_structure,
+    hermes_messages,
+    parse_tool_calls,
+    template_renders_tools,
+    tool_mode,
+)
+from ascq.runtime.structured_output import StructuredOutputsParams, require_xgrammar
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, prompter: ChatPrompter, model_name: str,
-                 max_model_len: int, vocab_size: int) -> None:
+                 max_model_len: int, vocab_size: int, tool_options: Any = None) -> None:
         self.engine = engine
+        self.enable_auto_tool_choice = bool(tool_options and tool_options.enable_auto_tool_choice)
         self.tokenizer = tokenizer
         self.prompter = prompter
         self.model_name = model_name
@@ -50,10 +63,33 @@ class OpenAIServing:
         self.logprobs = LogprobFormatter(tokenizer)
         self.created = int(time.time())
 
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ascq",
+                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
+
     def models(self) -> dict[str, Any]:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ascq",
-                "max_model_len": self.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        self._check_model(model_id)
+        return self.model_card()
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self._check_model(body.model)
+        if body.messages is not None:
+            ids = self.prompter.render([m.as_template_dict() for m in body.messages], body.add_generation_prompt)
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        result: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            result["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return result
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(body.model)
+        if not all(0 <= t < self.vocab_size for t in body.tokens):
+            raise APIError(400, f"tokens has token ids outside [0, {self.vocab_size})", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -62,36 +98,67 @@ class OpenAIServing:
         for ids in prompts:
             self._check_fits(len(ids), max_tokens, "prompt")
         params = self._sampling_params(body, max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # echoed prompt tokens carry their logprobs too
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
         request_id = random_id("cmpl")
         group = await self._submit(request_id, prompts, params)
         if body.stream:
             return _event_stream(self._completion_chunks(group, body, request_id), group)
         finals = await _final_outputs(group, request)
-        choices = [CompletionChoice(index=i * body.n + o.index, text=o.text, finish_reason=o.finish_reason,
-                                    stop_reason=o.stop_reason,
-                                    logprobs=self.logprobs.completion(o.token_ids, o.logprobs, body.logprobs, 0))
-                   for i, final in enumerate(finals) for o in final.outputs]
+        choices = [self._completion_choice(body, i, final, o) for i, final in enumerate(finals) for o in final.outputs]
         response = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=_usage(finals))
         return JSONResponse(response.model_dump())
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
+        mode = tool_mode(body, self.enable_auto_tool_choice)
         messages = [message.as_template_dict() for message in body.messages]
-        ids = self.prompter.render(messages, body.add_generation_prompt)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if mode else None
+        if tools and not template_renders_tools(self.prompter.template):
+            messages, tools = hermes_messages(messages, tools), None
+        ids = self.prompter.render(messages, body.add_generation_prompt, tools)
         requested = body.max_completion_tokens or body.max_tokens
         self._check_fits(len(ids), requested, "messages")
         max_tokens = requested or self.max_model_len - len(ids)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        group = await self._submit(random_id("chatcmpl"), [ids], self._sampling_params(body, max_tokens, top_n))
-        if body.stream:
+        forced = forced_tool_structure(body, mode)
+        if forced is not None and structured_outputs_of(body) is not None:
+            raise APIError(400, "tool_choice required / named cannot be combined with another structured-output "
+                                "constraint", param="tool_choice")
+        params = self._sampling_params(body, max_tokens, top_n, forced)
+        group = await self._submit(random_id("chatcmpl"), [ids], params)
+        if body.stream and mode is None:
             return _event_stream(self._chat_chunks(group, body, top_n), group)
+        if body.stream:  # tool calls are parsed from the whole message, then sent as chunks
+            return _event_stream(self._chat_tool_chunks(group, body, top_n, mode), group)
         (final,) = await _final_outputs(group, request)
-        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
-                              stop_reason=o.stop_reason, logprobs=self.logprobs.chat(o.token_ids, o.logprobs, top_n))
-                   for o in final.outputs]
+        choices = [self._chat_choice(o, body, top_n, mode) for o in final.outputs]
         response = ChatCompletionResponse(id=group.request_ids[0], model=self.model_name, choices=choices,
                                           usage=_usage([final]))
         return JSONResponse(response.model_dump())
+
+    def _chat_choice(self, o: Any, body: ChatCompletionRequest, top_n: int | None, mode: str | None) -> ChatChoice:
+        content, calls = parse_tool_calls(o.text, body, mode)
+        finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
+        return ChatChoice(index=o.index, message=AssistantMessage(content=content, tool_calls=calls),
+                          finish_reason=finish, stop_reason=o.stop_reason,
+                          logprobs=self.logprobs.chat(o.token_ids, o.logprobs, top_n))
+
+    def _completion_choice(self, body: CompletionRequest, i: int, final: Any, o: Any) -> CompletionChoice:
+        text, logprobs = o.text, self.logprobs.completion(o.token_ids, o.logprobs, body.logprobs, 0)
+        if body.echo:
+            prompt_text = self._prompt_text(body, i, final)
+            text = prompt_text + text
+            if body.logprobs is not None:
+                echoed = self.logprobs.completion(final.prompt_token_ids, final.prompt_logprobs, body.logprobs, 0)
+                logprobs = self.logprobs.concat(echoed, self.logprobs.completion(
+                    o.token_ids, o.logprobs, body.logprobs, len(prompt_text)))
+        return CompletionChoice(index=i * body.n + o.index, text=text, finish_reason=o.finish_reason,
+                                stop_reason=o.stop_reason, logprobs=logprobs)
+
+    def _prompt_text(self, body: CompletionRequest, i: int, output: Any) -> str:
+        prompt = body.prompts()[i]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(output.prompt_token_ids)
 
     # ---- validation ----------------------------------------------------------------------------------------
 
@@ -118,13 +185,27 @@ class OpenAIServing:
                                 f"{num_prompt_tokens} tokens and max_tokens is {max_tokens} "
                                 f"({num_prompt_tokens + max_tokens} in total)", param="max_tokens")
 
-    def _sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
+                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        structured = structured or structured_outputs_of(body)
+        if structured is not None:
+            try:
+                require_xgrammar()
+            except AscqError as exc:
+                raise APIError(400, str(exc), code="structured_outputs_unavailable") from exc
         try:
             return SamplingParams(
                 n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=min(body.top_k or 0, self.vocab_size),
-                min_p=body.min_p or 0.0, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, max_tokens=max_tokens,
-                logprobs=logprobs, ignore_eos=body.ignore_eos)
+                min_p=body.min_p or 0.0, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs, ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None,
+                bad_words=body.bad_words, allowed_token_ids=body.allowed_token_ids,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens, prompt_logprobs=body.prompt_logprobs,
+                structured_outputs=structured)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
@@ -139,7 +220,15 @@ class OpenAIServing:
     async def _completion_chunks(self, group: RequestGroup, body: CompletionRequest, request_id: str):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         finals: dict[int, Any] = {}
-        async for i, _, o, start in _deltas(group, finals):
+        echoed: set[tuple[int, int]] = set()
+        async for i, output, o, start in _deltas(group, finals):
+            if body.echo and (i, o.index) not in echoed:  # the prompt goes first, once per choice
+                echoed.add((i, o.index))
+                prompt_text = self._prompt_text(body, i, output)
+                prompt_logprobs = self.logprobs.completion(output.prompt_token_ids, output.prompt_logprobs,
+                                                           body.logprobs, 0)
+                yield _sse(CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
+                    index=i * body.n + o.index, text=prompt_text, logprobs=prompt_logprobs)]), include_usage)
             chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
                 index=i * body.n + o.index, text=o.text[start[0]:], finish_reason=o.finish_reason,
                 stop_reason=o.stop_reason, logprobs=self.logprobs.completion(
@@ -164,6 +253,57 @@ class OpenAIServing:
                                          logprobs=logprobs, finish_reason=o.finish_reason)])
         if include_usage:
             yield chunk([], _usage([finals[0]]))
+
+    async def _chat_tool_chunks(self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None,
+                                mode: str):
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            return _sse(ChatCompletionChunk(id=group.request_ids[0], model=self.model_name, choices=choices,
+                                            usage=usage), include_usage)
+
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
+        final = await _collect(group)
+        for o in final.outputs:
+            choice = self._chat_choice(o, body, top_n, mode)
+            calls = [DeltaToolCall(index=k, id=c.id, function=c.function) for k, c in enumerate(choice.message.tool_calls)]
+            yield chunk([ChatChunkChoice(index=o.index, delta=DeltaMessage(content=choice.message.content,
+                                                                           tool_calls=calls or None),
+                                         logprobs=choice.logprobs, finish_reason=choice.finish_reason)])
+        if include_usage:
+            yield chunk([], _usage([final]))
+
+
+def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:
+    """The one structured-output constraint of a request, from response_format, structured_outputs or guided_*."""
+    found: dict[str, dict[str, Any]] = {}
+    if body.response_format is not None and body.response_format.type != "text":
+        if body.response_format.type == "json_object":
+            found["response_format"] = {"json_object": True}
+        else:
+            found["response_format"] = {"json": body.response_format.json_schema.schema_}
+    if body.structured_outputs is not None:
+        found["structured_outputs"] = body.structured_outputs.model_dump(exclude_none=True)
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(body, name) is not None:
+            found[name] = {key: getattr(body, name)}
+    if len(found) > 1:
+        raise APIError(400, f"give one structured-output constraint, got {', '.join(found)}", param=list(found)[1])
+    if not found:
+        return None
+    name, fields = found.popitem()
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as exc:
+        raise APIError(400, f"{name}: {exc}", param=name) from exc
+
+
+async def _collect(group: RequestGroup) -> Any:
+    final = None
+    async for _, output in group:
+        final = output
+    return final
 
 
 async def _deltas(group: RequestGroup, finals: dict[int, Any]):
