@@ -87,6 +87,23 @@ def zoo_pull(
     pull(repo, revision=revision, out=out, force=force, echo=typer.echo)
 
 
+@zoo_app.command("gc")
+def zoo_gc(
+    zoo: Annotated[Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")] = None,
+) -> None:
+    """Remove staging folders that a killed convert / import / pull left behind (their process is gone)."""
+    import shutil
+
+    from ascq.paths import zoo_root
+    from ascq.zoo.manifest import stale_staging
+
+    found = stale_staging(zoo or zoo_root())
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+        typer.echo(f"removed {path}")
+    typer.echo(f"{len(found)} stale staging folder(s) removed")
+
+
 @zoo_app.command("import-gguf")
 def zoo_import_gguf(
     file: Annotated[Path | None, typer.Argument(help="GGUF file (llama.cpp).")] = None,
@@ -125,7 +142,7 @@ def publish(
 def convert(
     model: Annotated[str, typer.Argument(help="Local Hugging Face checkpoint folder, or a Hub id.")],
     recipe: Annotated[list[str], typer.Option(help="Recipe name (see 'ascq recipes') or YAML path; repeat to compose.")],
-    out: Annotated[Path | None, typer.Option(help="Output entry folder (default: the zoo's MODEL-RECIPES).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output entry folder (default: the zoo's MODEL-RECIPES-FORMAT).")] = None,
     calib: Annotated[str | None, typer.Option(help="Calibration data: text/json/jsonl/parquet file or folder, or Hub dataset id.")] = None,
     num_samples: Annotated[int, typer.Option(help="Calibration blocks.")] = 64,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration block.")] = 512,
@@ -133,6 +150,7 @@ def convert(
     format: Annotated[str, typer.Option(help="compressed-tensors, or msmodelslim (vllm-ascend).")] = "compressed-tensors",
     eval_text: Annotated[Path | None, typer.Option(help="Text for perplexity before/after (default: the fixture eval text for ascq fixtures).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 1GB, 500MB (held in memory until written).")] = "1GB",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing entry at --out (atomically; never the source).")] = False,
 ) -> None:
     """Quantize a checkpoint with one or more recipes into a zoo entry (layer by layer, atomic)."""
     from ascq.quantize.convert import ConvertOptions, format_summary, parse_size
@@ -140,7 +158,7 @@ def convert(
 
     options = ConvertOptions(
         model=model, recipes=recipe, out=out, calib=calib, num_samples=num_samples, seq_len=seq_len, device=device,
-        format=format, eval_text=eval_text, max_shard_bytes=parse_size(max_shard_size),
+        format=format, eval_text=eval_text, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
     )  # fmt: skip
     typer.echo(format_summary(run_convert(options)))
 
@@ -401,10 +419,15 @@ def bench_latency(
 # ---- entry point -----------------------------------------------------------------------------------------
 
 
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT); SIGTERM gives 143
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; user errors are printed as one line `error: ...` with a non-zero exit code."""
     try:
         exit_code = app(args=argv, standalone_mode=False)  # click returns a command's typer.Exit code here
+        if exit_code == INTERRUPTED:  # typer turns KeyboardInterrupt into Exit(130) and returns it
+            raise KeyboardInterrupt
         if isinstance(exit_code, int) and exit_code:
             sys.exit(exit_code)
     except click_exceptions.NoArgsIsHelpError:
@@ -422,8 +445,15 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        typer.echo("error: interrupted", err=True)
-        sys.exit(130)
+        typer.echo("error: interrupted (Ctrl-C); any partial output was removed", err=True)
+        sys.exit(INTERRUPTED)
+    except BaseException as exc:
+        from ascq.zoo.manifest import Terminated
+
+        if not isinstance(exc, Terminated):
+            raise
+        typer.echo("error: terminated (SIGTERM); any partial output was removed", err=True)
+        sys.exit(143)
 
 
 if __name__ == "__main__":
