@@ -36,14 +36,11 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    os.environ["VLLM_API_KEY"] = KEY  # vLLM's variable; launch_server passes the environment on
-    try:
-        process, base_url = launch_server(tiny_llama_dir, log_path, "--served-model-name", "tiny-llama",
-                                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                          "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
-                                          "--enforce-eager", "--tensor-parallel-size", "1")
-    finally:
-        del os.environ["VLLM_API_KEY"]
+    process, base_url = launch_server(tiny_llama_dir, log_path, "--served-model-name", "tiny-llama",
+                                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                      "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+                                      "--enforce-eager", "--tensor-parallel-size", "1",
+                                      env_vars={"VLLM_API_KEY": KEY})  # vLLM's variable
     yield base_url, log_path
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=20) == 0
