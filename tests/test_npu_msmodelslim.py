@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from ascq.cli import main
+from ascq.formats.msmodelslim import deq_scale_tensor
 from ascq.kernels import QuantLinearWeights, reference
-from ascq.quantize.msmodelslim import deq_scale_tensor
 
 HEADER_KEYS = {"model_quant_type", "version", "group_size", "kv_cache_type"}
 LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$")

@@ -10,7 +10,7 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize, fake_q
 from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp
 
 from ascq.quantize import qmath
-from ascq.quantize.ct_writer import compress_linear
+from ascq.formats import compressed_tensors as ct
 from ascq.quantize.modifier import QuantizedLinear
 from ascq.quantize.schemes import LinearTarget, RecipeScheme
 
@@ -110,12 +110,20 @@ def test_static_and_fp8_scales_match_compressed_tensors():
     (QuantizationArgs(num_bits=8, strategy="channel", symmetric=True), None),
 ])  # fmt: skip
 def test_written_tensors_unpack_to_the_chosen_values(args, input_args):
-    """int-quantized / pack-quantized tensors (compressed-tensors' compressor) give back q, scale and zero point."""
+    """int-quantized / pack-quantized tensors (compressed-tensors' compressor) give back q, scale and zero point,
+    through unpack_from_int32 and through ascq's decompress_linear; their names/dtypes/shapes are the specs'."""
     w = _weight(4)
     q, scale, zp = qmath.quantize_weight(w, args, torch.bfloat16)
     owner = RecipeScheme("test", {}, [])
     target = LinearTarget(args, input_args, owner)
-    out = compress_linear(target, QuantizedLinear(q, scale, zp))
+    out = ct.compress_linear(args, input_args, QuantizedLinear(q, scale, zp))
+    stored = {k: (str(v.dtype), tuple(v.shape)) for k, v in out.items()}
+    dtypes = {"I8": "torch.int8", "I32": "torch.int32", "I64": "torch.int64", "BF16": "torch.bfloat16"}
+    specs = ct.linear_tensor_specs(args, input_args, *w.shape)
+    assert stored == {k: (dtypes[d], shape) for k, (d, shape) in specs.items()}
+    back = ct.decompress_linear(out, args.num_bits)
+    assert torch.equal(back["weight"], q) and torch.equal(back["weight_scale"], scale)
+    assert (zp is None and "zero_point" not in back) or torch.equal(back["zero_point"], zp)
     assert out["weight_scale"].dtype == torch.bfloat16 and torch.equal(out["weight_scale"], scale)
     if input_args is not None:  # W8A8: int8 weight as is
         assert out["weight"].dtype == torch.int8 and torch.equal(out["weight"], q)

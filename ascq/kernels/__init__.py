@@ -34,7 +34,7 @@ class QuantLinearWeights:
 
     dense: `weight` is float [out, in]. Quantized: `weight` holds signed integer values [out, in] (int8 tensor;
     int4 values in [-8, 7]), `weight_scale` is [out, 1] (per channel) or [out, in // group_size] (per group),
-    `weight_zero_point` the same shape (signed) or None (symmetric); w = (q - zero_point) * scale.
+    `zero_point` the same shape (signed) or None (symmetric); w = (q - zero_point) * scale.
     w8a8_static: `input_scale` (one value) and optional `input_zero_point` quantize activations to int8 as
     clamp(round(x / input_scale) + input_zero_point). Activations of `*_dynamic` are int8 per token, symmetric.
     """
@@ -42,7 +42,7 @@ class QuantLinearWeights:
     scheme: str
     weight: torch.Tensor
     weight_scale: torch.Tensor | None = None
-    weight_zero_point: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
     group_size: int | None = None
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
@@ -86,9 +86,9 @@ class QuantLinearWeights:
             raise AscqError(
                 f"weight_scale shape {tuple(self.weight_scale.shape)} != expected {(out_features, num_groups)}"
             )
-        zero = self.weight_zero_point
+        zero = self.zero_point
         if zero is not None and zero.shape != self.weight_scale.shape:
-            raise AscqError(f"weight_zero_point shape {tuple(zero.shape)} != weight_scale shape")
+            raise AscqError(f"zero_point shape {tuple(zero.shape)} != weight_scale shape")
         if self.scheme == "w8a8_static" and (self.input_scale is None or self.input_scale.numel() != 1):
             raise AscqError("w8a8_static needs a single-valued input_scale")
         if self.input_zero_point is not None and self.scheme != "w8a8_static":
@@ -136,7 +136,7 @@ def merge_output_dim(parts: list[QuantLinearWeights]) -> QuantLinearWeights:
         scheme=first.scheme,
         weight=torch.cat([p.weight for p in parts], dim=0),
         weight_scale=cat("weight_scale"),
-        weight_zero_point=cat("weight_zero_point"),
+        zero_point=cat("zero_point"),
         group_size=first.group_size,
         input_scale=input_scale,
         input_zero_point=input_zero_point,

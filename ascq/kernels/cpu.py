@@ -107,7 +107,7 @@ def _choose_kernel(w: QuantLinearWeights, dtype: torch.dtype) -> str:
         return "native"
     if w.scheme == "w4a16" and _int4pack_group_size(w) is not None:
         return "int4pack"
-    if w.scheme == "w8a16" and per_channel and w.weight_zero_point is None:
+    if w.scheme == "w8a16" and per_channel and w.zero_point is None:
         return "int8pack"
     return "dequant"
 
@@ -159,7 +159,7 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
     meta = _metadata_only(w)
     if kernel == "dense":
         return CpuLinear(kernel, meta, w.out_features, w.weight.to(dtype).contiguous(), bias=bias)
-    zero = None if w.weight_zero_point is None else w.weight_zero_point.float()
+    zero = None if w.zero_point is None else w.zero_point.float()
     p = CpuLinear(
         kernel, meta, w.out_features, w.weight.contiguous(), w.weight_scale.float(), zero, bias=bias
     )

@@ -60,7 +60,7 @@ def _choose_kernel(w: QuantLinearWeights, dtype: torch.dtype) -> str:
     if w.scheme == "w4a16" and on_gpu and dtype == torch.bfloat16 and _tinygemm_group_size(w) is not None:
         return "tinygemm"
     per_channel = w.group_size is None or w.group_size == w.in_features
-    symmetric = w.weight_zero_point is None and w.input_zero_point is None
+    symmetric = w.zero_point is None and w.input_zero_point is None
     aligned = w.in_features % 8 == 0 and w.out_features % 8 == 0
     if w.scheme in ("w8a8_dynamic", "w8a8_static", "w4a8_dynamic") and per_channel and symmetric and aligned:
         return "int_mm"
@@ -71,7 +71,7 @@ def _prepare_tinygemm(w: QuantLinearWeights) -> tuple[torch.Tensor, torch.Tensor
     group_size = _tinygemm_group_size(w)
     num_groups = w.in_features // group_size
     scale = w.weight_scale.float().repeat_interleave(num_groups // w.weight_scale.shape[1], dim=1)
-    zero = w.weight_zero_point
+    zero = w.zero_point
     zero = (
         torch.zeros_like(scale)
         if zero is None

@@ -100,6 +100,23 @@ def _attend_prefill(query, k_cache, v_cache, block_table, seq_len, scale, k_scal
     return out[0].transpose(0, 1)
 
 
+_layout_cache: tuple[torch.Tensor, torch.Tensor, tuple[list[int], list[int], list[int]]] | None = None
+
+
+def _step_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    """(query starts, sequence lengths, query lengths) as host lists. Every layer of a step passes the same metadata
+    tensors, so they are read back once per step, not once per layer (the cache holds the tensors themselves, so
+    their identities cannot be reused by a later step's tensors while cached)."""
+    global _layout_cache
+    if _layout_cache is not None and _layout_cache[0] is query_start_loc and _layout_cache[1] is seq_lens:
+        return _layout_cache[2]
+    starts = query_start_loc.tolist()
+    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
+    layout = (starts, seq_lens.tolist(), query_lens)
+    _layout_cache = (query_start_loc, seq_lens, layout)
+    return layout
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -114,9 +131,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """`attend_decode` serves the one-token rows (same arguments as `_attend_decode`); a backend may bring its own."""
     device = query.device
-    starts = query_start_loc.tolist()
-    lengths = seq_lens.tolist()
-    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
+    starts, lengths, query_lens = _step_layout(query_start_loc, seq_lens)
     if all(n == 1 for n in query_lens):  # pure decode step: no scatter back needed
         lens = seq_lens.to(device=device, dtype=torch.long)
         return attend_decode(query, k_cache, v_cache, block_tables.to(device), lens, scale, k_scale, v_scale)

@@ -22,8 +22,8 @@ def dequantize_weight(w: QuantLinearWeights) -> torch.Tensor:
     scale = w.weight_scale.float().repeat_interleave(group_size, dim=1)
     zero = (
         0.0
-        if w.weight_zero_point is None
-        else w.weight_zero_point.float().repeat_interleave(group_size, dim=1)
+        if w.zero_point is None
+        else w.zero_point.float().repeat_interleave(group_size, dim=1)
     )
     return (w.weight.float() - zero) * scale
 

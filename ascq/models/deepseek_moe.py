@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
 from ascq.errors import AscqError
+from ascq.formats.safetensors import CheckpointReader
 from ascq.models.deepseek_config import DeepseekConfig
 
 # kv_hook(key, value) -> (key, value) on post-RoPE keys/values [batch, kv_heads, seq, head_dim] (calibration, fp8 KV)
@@ -225,14 +225,9 @@ class DeepseekForCausalLM(nn.Module):
 
 def load_state_dict_files(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of a (sharded or single-file) safetensors checkpoint."""
-    index = model_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        if not (model_dir / name).is_file():
-            raise AscqError(f"{model_dir}: checkpoint file {name} is missing")
-        state.update(load_file(model_dir / name))
-    return state
+    reader = CheckpointReader(model_dir)
+    with reader.opened():
+        return {name: reader.get(name) for name in reader}
 
 
 def load_deepseek(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekForCausalLM:

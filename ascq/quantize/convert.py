@@ -14,10 +14,10 @@ import compressed_tensors
 import torch
 
 from ascq.errors import AscqError, UnsupportedError
+from ascq.formats.safetensors import CheckpointReader
 from ascq.paths import EVAL_TEXT, zoo_root
 from ascq.quantize.architectures import load_architecture
 from ascq.quantize.calibration import hub_reachable, load_calibration
-from ascq.quantize.checkpoint import CheckpointReader
 from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
 from ascq.quantize.pipeline import stream_convert
 from ascq.quantize.recipe import ComposedRecipe, load_recipes

@@ -1,8 +1,7 @@
 """Write compressed-tensors checkpoints exactly as the pinned compressed-tensors library does.
 
-Each quantized linear goes through the library's own compressor class for its format (`int-quantized`:
-int8 `weight`; `pack-quantized`: `weight_packed` int32 + `weight_shape`, asymmetric zero points packed along the
-output dim), so bytes and tensor names follow the installed version. `config.json` gets its `quantization_config`
+Each quantized linear goes through `ascq.formats.compressed_tensors.compress_linear` (the library's own
+compressor for its format), so bytes and tensor names follow the installed version. `config.json` gets its `quantization_config`
 from `ModelCompressor.update_config`. Tensors are written shard by shard as the layers stream through.
 """
 
@@ -14,13 +13,13 @@ from pathlib import Path
 
 import compressed_tensors
 import torch
-from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 from safetensors.torch import save_file
 
-from ascq.quantize import qmath
-from ascq.quantize.checkpoint import INDEX_NAME
-from ascq.quantize.modifier import QuantizedLinear
+from ascq.formats import QuantizedLinear
+from ascq.formats import compressed_tensors as ct
+from ascq.formats.safetensors import INDEX_SUFFIX
 from ascq.quantize.schemes import LinearTarget, RecipeScheme, compression_format
 
 log = logging.getLogger(__name__)
@@ -57,7 +56,7 @@ class ShardWriter:
 
     def add_linear(self, name: str, target: LinearTarget, ql: QuantizedLinear, bias: torch.Tensor | None) -> None:
         """A quantized linear's tensors under `name.` (the format hook: msmodelslim.MsModelSlimWriter overrides it)."""
-        for key, tensor in compress_linear(target, ql, bias).items():
+        for key, tensor in ct.compress_linear(target.weights, target.input_activations, ql, bias).items():
             self.add(f"{name}.{key}", tensor)
 
     def flush(self) -> None:
@@ -69,36 +68,20 @@ class ShardWriter:
         self.total_bytes += self.pending_bytes
         self.pending, self.pending_bytes = {}, 0
 
-    def finish(self) -> list[str]:
-        """Rename shards to `model.safetensors` or `model-0000i-of-0000n.safetensors` (+ index); the file names."""
+    def finish(self, stem: str = "model") -> list[str]:
+        """Rename shards to `{stem}.safetensors` or `{stem}-0000i-of-0000n.safetensors` (+ index); the file names."""
         self.flush()
-        if len(self.shards) == 1:
-            (self.out_dir / self.shards[0][0]).rename(self.out_dir / "model.safetensors")
-            return ["model.safetensors"]
+        single = len(self.shards) == 1
         weight_map, files = {}, []
         for i, (file, names) in enumerate(self.shards, start=1):
-            final = f"model-{i:05d}-of-{len(self.shards):05d}.safetensors"
+            final = f"{stem}.safetensors" if single else f"{stem}-{i:05d}-of-{len(self.shards):05d}.safetensors"
             (self.out_dir / file).rename(self.out_dir / final)
             weight_map.update(dict.fromkeys(names, final))
             files.append(final)
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        if not single:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.out_dir / f"{stem}{INDEX_SUFFIX}").write_text(json.dumps(index, indent=2) + "\n")
         return files
-
-
-def compress_linear(target: LinearTarget, ql: QuantizedLinear, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The on-disk tensors of one linear (local names: weight / weight_packed, weight_scale, ...)."""
-    scheme = target.scheme
-    compressor = BaseCompressor.get_value_from_registry(compression_format(target))
-    state = {"weight": qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, target.weights), "weight_scale": ql.scale}
-    if ql.zero_point is not None:
-        state["weight_zero_point"] = ql.zero_point
-    out = dict(compressor.compress(state, scheme))
-    if ql.input_scale is not None:
-        out["input_scale"] = ql.input_scale
-    if bias is not None:
-        out["bias"] = bias
-    return out
 
 
 def quantization_config(

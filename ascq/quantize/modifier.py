@@ -5,31 +5,15 @@ See docs/ARCHITECTURE.md "Converter pipeline". Modifiers are registered by name 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
+from ascq.formats import QuantizedLinear
 from ascq.quantize.schemes import RecipeError, RecipeScheme
+
+__all__ = ["Modifier", "QuantizedLinear", "check_args"]
 
 if TYPE_CHECKING:
     from ascq.quantize.layer_context import LayerContext
-
-
-@dataclasses.dataclass
-class QuantizedLinear:
-    """A linear's integer weights in the signed convention, plus its scales as they are written."""
-
-    q: torch.Tensor  # int8 [out, in], int4 values in [-8, 7]
-    scale: torch.Tensor  # [1], [out, 1] or [out, in // group_size], checkpoint scale dtype
-    zero_point: torch.Tensor | None = None  # int8, same shape as scale; None when symmetric
-    input_scale: torch.Tensor | None = None  # [1] for static per-tensor activations
-
-    def __post_init__(self) -> None:
-        if self.q.dtype != torch.int8 or self.q.ndim != 2:
-            raise ValueError(f"QuantizedLinear.q must be a 2-D int8 tensor, got {self.q.dtype} {tuple(self.q.shape)}")
-        if self.zero_point is not None and self.zero_point.shape != self.scale.shape:
-            raise ValueError("QuantizedLinear.zero_point must have the shape of scale")
 
 
 class Modifier:

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from ascq.errors import AscqError
 from ascq.evaluate import eval_windows, perplexity
+from ascq.formats.safetensors import CheckpointReader
 from ascq.quantize.architectures import Architecture
-from ascq.quantize.checkpoint import CheckpointReader
 from ascq.quantize.ct_writer import ShardWriter, quantization_config
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.recipe import ComposedRecipe
@@ -182,7 +182,7 @@ def stream_convert(
     head_name = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
     if "lm_head.weight" in reader:
         writer.add("lm_head.weight", reader.get("lm_head.weight"))
-        ignored.append("lm_head")
+    ignored = ["lm_head", "model.embed_tokens", *ignored]  # tied or not (schemes.ALWAYS_IGNORE)
     result = StreamResult(
         files=writer.finish(),
         qconfig=quantization_config(schemes, fallback_targets, ignored),

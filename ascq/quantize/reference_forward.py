@@ -1,6 +1,6 @@
 """ascq's own dequantized reference forward of a compressed-tensors checkpoint (and of the converter's layers).
 
-Weights: unpacked with compressed-tensors' `unpack_from_int32` (the byte layout of the pinned version) and
+Weights: decompressed by `ascq.formats.compressed_tensors` (the byte layout of the pinned library) and
 dequantized with `qmath`. Activations: fake-quantized at each quantized linear's input as the scheme says (dynamic
 symmetric per token, or the static per-tensor `input_scale`). FP8 KV: post-RoPE keys/values fake-quantized to e4m3
 with `k_scale`/`v_scale`. Everything in fp32, one decoder layer in memory at a time.
@@ -12,16 +12,16 @@ import json
 from pathlib import Path
 
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ascq.errors import AscqError
+from ascq.formats import QuantizedLinear
+from ascq.formats import compressed_tensors as ct
+from ascq.formats.safetensors import CheckpointReader
 from ascq.quantize import qmath
 from ascq.quantize.architectures import KVHook, architecture_from_config
-from ascq.quantize.checkpoint import CheckpointReader
-from ascq.quantize.modifier import QuantizedLinear
 from ascq.quantize.schemes import LinearTarget, RecipeScheme, resolve_target
 
 
@@ -89,7 +89,8 @@ class QuantizedCheckpoint:
                 state[f"{name}.weight"] = torch.empty(module.weight.shape)
         k_scale, v_scale = raw.pop("self_attn.k_scale", None), raw.pop("self_attn.v_scale", None)
         for key, tensor in raw.items():
-            if not key.rsplit(".", 1)[-1].startswith(("weight_", "input_")):
+            module, _, param = key.rpartition(".")
+            if module not in quantized or param == "bias":
                 state[key] = tensor.float()
         layer = self.arch.build_layer(index, state).to(device)
         install_quantized(layer, quantized)
@@ -97,17 +98,9 @@ class QuantizedCheckpoint:
         return layer, quantized, kv_hook
 
     def _quantized_linear(self, raw: dict[str, torch.Tensor], name: str, target: LinearTarget) -> QuantizedLinear:
-        args = target.weights
-        scale = raw[f"{name}.weight_scale"]
-        if f"{name}.weight_packed" in raw:
-            shape = torch.Size(raw[f"{name}.weight_shape"].tolist())
-            q = unpack_from_int32(raw[f"{name}.weight_packed"], args.num_bits, shape)
-            zero_point = raw.get(f"{name}.weight_zero_point")
-            if zero_point is not None:
-                zero_point = unpack_from_int32(zero_point, args.num_bits, (shape[0], scale.shape[-1]), packed_dim=0)
-        else:
-            q, zero_point = raw[f"{name}.weight"], raw.get(f"{name}.weight_zero_point")
-        return QuantizedLinear(q.to(torch.int8), scale, zero_point, raw.get(f"{name}.input_scale"))
+        prefix = f"{name}."
+        tensors = {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix) and k[len(prefix):] != "bias"}
+        return ct.quantized_linear(tensors, target.weights.num_bits)
 
 
 @torch.no_grad()

@@ -10,18 +10,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
-from compressed_tensors.utils.match import is_match, match_targets
 from pydantic import ValidationError
 from torch import nn
 
 from ascq.errors import AscqError, UnsupportedError
+from ascq.formats import compressed_tensors as ct
 
 DEFAULT_TARGETS = ["Linear"]
 # lm_head and embeddings stay full precision, as does the MoE router (its logits pick the experts).
 DEFAULT_IGNORE = ["lm_head", "re:.*mlp\\.gate$"]
+# ... and whatever a recipe says, these are never quantized and always written to `ignore`, so that a loader which
+# quantizes every matching module (transformers, vLLM) keeps them full precision too: with tied embeddings the
+# checkpoint has no lm_head tensor, and an `ignore` without it made transformers quantize the head (perplexity inf).
+ALWAYS_IGNORE = ["lm_head", "model.embed_tokens", "re:.*mlp\\.gate$"]
 SUPPORTED_PRESETS = ("W8A8", "W4A16", "W4A16_ASYM", "W8A16", "W4A8")
 
 
@@ -122,20 +125,14 @@ def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None
 
 
 def resolve_target(name: str, module: nn.Module, schemes: list[RecipeScheme]) -> LinearTarget | None:
-    """The scheme for one module (full name), most specific target first as compressed-tensors does; None = keep."""
+    """The scheme for one module (full name): the first recipe scheme whose groups match it; None = keep."""
+    if ct.is_ignored(name, ALWAYS_IGNORE, module):
+        return None
     for recipe_scheme in schemes:
-        by_target = {t: s for s in recipe_scheme.config_groups.values() for t in s.targets}
-        if not by_target or _ignored(name, module, recipe_scheme.ignore):
-            continue
-        matched = match_targets(name, module, list(by_target))
-        if matched:
-            scheme = by_target[matched[0]]
+        scheme = ct.match_scheme(name, recipe_scheme.config_groups.values(), recipe_scheme.ignore, module)
+        if scheme is not None:
             return LinearTarget(scheme.weights, scheme.input_activations, recipe_scheme)
     return None
-
-
-def _ignored(name: str, module: nn.Module, ignore: list[str]) -> bool:
-    return bool(ignore) and is_match(name, module, ignore)
 
 
 def scheme_name(target: LinearTarget) -> str:
@@ -148,4 +145,4 @@ def scheme_name(target: LinearTarget) -> str:
 
 def compression_format(target: LinearTarget) -> str:
     """The on-disk format compressed-tensors itself picks for this scheme (int-quantized / pack-quantized)."""
-    return infer_module_format(nn.Linear, target.scheme).value
+    return ct.compression_format(target.weights, target.input_activations)

@@ -58,12 +58,12 @@ class RequestResult:
     error: str = ""
 
 
-def run_bench_serve(options: BenchServeOptions) -> dict[str, float]:
+def run_bench_serve(options: BenchServeOptions, goodput: dict[str, float] | None = None) -> dict[str, float]:
     """Run the benchmark; returns the metrics (durations in ms, throughputs per second)."""
-    return asyncio.run(_bench(options))
+    return asyncio.run(_bench(options, goodput))
 
 
-async def _bench(options: BenchServeOptions) -> dict[str, float]:
+async def _bench(options: BenchServeOptions, goodput: dict[str, float] | None = None) -> dict[str, float]:
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     limits = httpx.Limits(max_connections=options.max_concurrency or options.num_prompts)
     async with httpx.AsyncClient(base_url=options.base_url, headers=headers, limits=limits,
@@ -85,7 +85,7 @@ async def _bench(options: BenchServeOptions) -> dict[str, float]:
                 await asyncio.sleep(rng.expovariate(options.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration)
+    return summarize(results, duration, goodput)
 
 
 def random_prompts(num_prompts: int, input_len: int, rng: random.Random) -> list[list[int]]:
@@ -138,26 +138,44 @@ async def _stream_request(client: httpx.AsyncClient, model: str, prompt: list[in
     return result
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict[str, float]:
+def summarize(
+    results: list[RequestResult], duration: float, goodput: dict[str, float] | None = None
+) -> dict[str, float]:
+    """vLLM's serving metrics (durations in ms): TTFT, TPOT, ITL, E2EL mean/p50/p90/p99, throughputs, and with
+    `goodput` SLOs ({"ttft"|"tpot"|"e2el": ms}) the rate of requests meeting all of them."""
     done = [r for r in results if r.ok]
     if not done:
         errors = sorted({r.error for r in results})[:3]
         raise AscqError(f"all {len(results)} requests failed, e.g.: {'; '.join(errors)}")
     output_tokens = sum(r.output_tokens for r in done)
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     metrics = {"completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
                "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
                "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in done)) / duration}
-    for name, values in (("ttft", [r.ttft for r in done]), ("tpot", tpots),
-                         ("itl", [gap for r in done for gap in r.itls])):
+    per_request = {"ttft": [r.ttft for r in done], "tpot": [_tpot(r) for r in done if r.output_tokens > 1],
+                   "itl": [gap for r in done for gap in r.itls], "e2el": [r.latency for r in done]}
+    for name, values in per_request.items():
         values_ms = sorted(v * 1000 for v in values) or [0.0]
         metrics[f"mean_{name}_ms"] = statistics.fmean(values_ms)
-        metrics[f"p50_{name}_ms"] = _percentile(values_ms, 50)
-        metrics[f"p99_{name}_ms"] = _percentile(values_ms, 99)
+        for q in PERCENTILES:
+            metrics[f"p{q}_{name}_ms"] = percentile(values_ms, q)
+    if goodput:
+        good = [r for r in done if all(_slo_value(r, key) * 1000 <= limit for key, limit in goodput.items())]
+        metrics["request_goodput"] = len(good) / duration
     return metrics
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
+PERCENTILES = (50, 90, 99)
+
+
+def _tpot(r: RequestResult) -> float:
+    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+
+
+def _slo_value(r: RequestResult, key: str) -> float:
+    return {"ttft": r.ttft, "tpot": _tpot(r), "e2el": r.latency}[key]
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
     position = (len(sorted_values) - 1) * q / 100
     low = math.floor(position)
@@ -165,21 +183,27 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
-def format_report(metrics: dict[str, float], options: BenchServeOptions) -> str:
+def format_metrics(metrics: dict[str, float]) -> str:
     lines = [f"{'Successful requests:':<34}{metrics['completed']:>12.0f}",
              f"{'Failed requests:':<34}{metrics['failed']:>12.0f}",
              f"{'Benchmark duration (s):':<34}{metrics['duration_s']:>12.2f}",
              f"{'Request throughput (req/s):':<34}{metrics['request_throughput']:>12.2f}",
              f"{'Output token throughput (tok/s):':<34}{metrics['output_throughput']:>12.2f}",
              f"{'Total token throughput (tok/s):':<34}{metrics['total_token_throughput']:>12.2f}"]
+    if "request_goodput" in metrics:
+        lines.append(f"{'Request goodput (req/s):':<34}{metrics['request_goodput']:>12.2f}")
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
-                        ("itl", "Inter-token Latency")):
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append(f"---{title}".ljust(46, "-"))
-        for stat in ("mean", "p50", "p99"):
+        for stat in ("mean", *(f"p{q}" for q in PERCENTILES)):
             lines.append(f"{f'{stat.capitalize()} {name.upper()} (ms):':<34}{metrics[f'{stat}_{name}_ms']:>12.2f}")
+    return "\n".join(lines)
+
+
+def format_report(metrics: dict[str, float], options: BenchServeOptions) -> str:
     header = (f"ascq bench serve: {options.num_prompts} prompts x {options.input_len} in / {options.output_len} out, "
               f"request rate {options.request_rate}, max concurrency {options.max_concurrency or 'none'}")
-    return "\n".join([header, *lines])
+    return "\n".join([header, format_metrics(metrics)])
 
 
 def options_dict(options: BenchServeOptions) -> dict[str, object]:

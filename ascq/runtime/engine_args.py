@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,13 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("cpu", "reference", "cuda", "npu")
 DEFAULT_KV_CACHE_FRACTION = 0.1  # of available host memory when kv_cache_memory is not given
 MAX_DEFAULT_KV_CACHE_BYTES = 4 << 30
+# --performance-mode presets over the scheduler knobs, applied to the knobs left at their defaults
+# (measured on SmolLM2-135M, README "Performance modes"): latency keeps batches small and prefill chunks short so a
+# long prompt never stalls the running decodes for long; throughput batches as much as the cache allows.
+PERFORMANCE_MODES = {
+    "latency": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+    "throughput": {"max_num_seqs": 128, "max_num_batched_tokens": 4096},
+}
 
 
 @dataclass
@@ -38,6 +46,7 @@ class EngineArgs:
     seed: int = 0
     tokenizer: str | Path | None = None
     served_model_name: str | None = None
+    performance_mode: str | None = None  # latency | throughput (PERFORMANCE_MODES), None: the knobs as given
     # vLLM's names: accepted with their meaning, or rejected with a reason (see check_vllm_args)
     gpu_memory_utilization: float | None = None  # share of free memory (RAM / HBM) for weights + KV cache
     quantization: str | None = None  # must match the checkpoint's quant_method
@@ -48,6 +57,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
+        self._apply_performance_mode()
         if not (self.model / "config.json").is_file():
             raise AscqError(f"{self.model} is not a model folder (no config.json)")
         if self.device.split(":")[0] not in DEVICES:
@@ -94,6 +104,18 @@ class EngineArgs:
         if self.quantization.replace("_", "-") != method:
             raise AscqError(f"quantization={self.quantization!r} but {self.model} is quantized with {method!r}")
 
+    def _apply_performance_mode(self) -> None:
+        if self.performance_mode is None:
+            return
+        if self.performance_mode not in PERFORMANCE_MODES:
+            raise UnsupportedError(
+                f"unknown performance mode {self.performance_mode!r}; supported: {', '.join(PERFORMANCE_MODES)}"
+            )
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in PERFORMANCE_MODES[self.performance_mode].items():
+            if getattr(self, name) == defaults[name]:
+                setattr(self, name, value)
+
     @property
     def torch_device(self) -> torch.device:
         """The torch device tensors live on; the `reference` backend runs on the CPU."""
@@ -106,7 +128,10 @@ class EngineArgs:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if self.torch_device.type == "cpu":
-            return torch.float32
+            # measured (README "Performance"): weight-only int4/int8 checkpoints decode fastest through the native
+            # kernel, which takes bf16 activations; dense GEMMs are fastest in fp32 (no bf16 GEMM on AVX2)
+            native = self.device == "cpu" and is_weight_only_quantized(config)  # `reference`: plain fp32 math
+            return torch.bfloat16 if native else torch.float32
         return DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
 
     def resolve_max_model_len(self, config: dict[str, Any]) -> int:
@@ -145,3 +170,11 @@ class EngineArgs:
         import psutil
 
         return min(int(psutil.virtual_memory().available * DEFAULT_KV_CACHE_FRACTION), MAX_DEFAULT_KV_CACHE_BYTES)
+
+
+def is_weight_only_quantized(config: dict[str, Any]) -> bool:
+    """A compressed-tensors config whose every group quantizes weights only (W4A16 / W8A16)."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    return bool(groups) and all(
+        isinstance(g, dict) and g.get("weights") and not g.get("input_activations") for g in groups.values()
+    )

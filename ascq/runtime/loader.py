@@ -1,30 +1,29 @@
 """Checkpoint loader: unquantized HF checkpoints and compressed-tensors zoo entries -> a runtime model.
 
 Supported compressed-tensors formats: `int-quantized` (int8 weights, W8A8 static/dynamic) and `pack-quantized`
-(int4/int8 packed in int32: W4A16 sym/asym, W8A16, W4A8), plus `kv_cache_scheme` (fp8 k/v scales). Packed weights
-are unpacked with compressed-tensors' own `unpack_from_int32`. The model is built on the meta device; tensors are
-read memory-mapped from safetensors one at a time and handed to the layers' weight loaders.
+(int4/int8 packed in int32: W4A16 sym/asym, W8A16, W4A8), plus `kv_cache_scheme` (fp8 k/v scales). Which linear
+gets which scheme and how its tensors unpack is `ascq.formats.compressed_tensors`. The model is built on the meta
+device; tensors are read memory-mapped (`ascq.formats.safetensors.CheckpointReader`) and handed to the layers'
+weight loaders.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ascq.errors import AscqError, UnsupportedError
+from ascq.formats import compressed_tensors as ct
+from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import get_backend
 from ascq.kernels import torch_device as backend_torch_device
 from ascq.runtime.models import model_class_for
 from ascq.runtime.models.weights import finalize_model
 
-SUPPORTED_FORMATS = ("int-quantized", "pack-quantized")
 SUPPORTED_SCHEMES = "W8A8 (int8 static or dynamic per-token), W4A16, W8A16 (per-channel or group), W4A8 (dynamic)"
 
 
@@ -53,18 +52,6 @@ def scheme_name(scheme: Any) -> str:
     raise UnsupportedError(f"W4A8 with static activations is not supported; supported: {SUPPORTED_SCHEMES}")
 
 
-def _matches(prefix: str, patterns: list[str], linear_class_names: tuple[str, ...] = ()) -> bool:
-    for pattern in patterns:
-        if pattern in linear_class_names:
-            return True
-        if pattern.startswith("re:"):
-            if re.match(pattern[3:], prefix):
-                return True
-        elif prefix == pattern or prefix.endswith("." + pattern):
-            return True
-    return False
-
-
 class QuantConfig:
     """Which scheme each checkpoint linear uses, from config.json's `quantization_config`."""
 
@@ -82,64 +69,40 @@ class QuantConfig:
         self.groups = []
         for scheme in self.config.config_groups.values():
             fmt = scheme.format or self.config.format
-            if scheme.weights is not None and fmt not in SUPPORTED_FORMATS:
+            if scheme.weights is not None and fmt not in ct.SUPPORTED_FORMATS:
                 raise UnsupportedError(
-                    f"compressed-tensors format {fmt!r} is not supported; supported: {', '.join(SUPPORTED_FORMATS)}"
+                    f"compressed-tensors format {fmt!r} is not supported; supported: {', '.join(ct.SUPPORTED_FORMATS)}"
                 )
             self.groups.append((scheme, scheme_name(scheme), fmt))
         self.kv_cache_scheme = self.config.kv_cache_scheme
 
     def group_for(self, prefix: str) -> tuple[Any, str, str] | None:
-        if _matches(prefix, self.config.ignore or []):
-            return None
-        for group in self.groups:
-            if _matches(prefix, group[0].targets, ("Linear",)):
-                return group
-        return None
+        scheme = ct.match_scheme(prefix, self.config.config_groups.values(), list(self.config.ignore or []))
+        return None if scheme is None else next(g for g in self.groups if g[0] is scheme)
 
     def scheme_for(self, prefix: str) -> str:
         group = self.group_for(prefix)
         return "dense" if group is None else group[1]
 
 
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise AscqError(f"{model_dir} has no *.safetensors files (only safetensors checkpoints are supported)")
-    return files
-
-
 def iter_checkpoint(model_dir: Path, quant: QuantConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every weight, memory-mapped; packed int weights come out unpacked as int8 `*.weight`.
-
-    A linear's tensors may sit in different shards, so every shard stays open while iterating.
-    """
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-    with ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(path, framework="pt", device="cpu")) for path in checkpoint_files(model_dir)]
-        owner = {name: f for f in handles for name in f.keys()}
-        for name in sorted(owner):
-            if name.endswith(".weight_shape"):
-                continue
-            prefix = name.rsplit(".", 1)[0]
+    """(name, tensor) of every weight, memory-mapped; quantized linears come out in the signed-int convention
+    (`ascq.formats.compressed_tensors.decompress_linear`: int8 `weight`, `weight_scale`, `zero_point`, ...)."""
+    reader = CheckpointReader(model_dir)
+    modules: dict[str, list[str]] = {}
+    for name in sorted(reader):
+        modules.setdefault(name.rpartition(".")[0], []).append(name)
+    with reader.opened():
+        for prefix, names in modules.items():
+            params = [n.rpartition(".")[2] for n in names]
             group = quant.group_for(prefix) if quant is not None else None
-            packed = group is not None and group[2] == "pack-quantized" and f"{prefix}.weight_packed" in owner
-            tensor = owner[name].get_tensor(name)
-            if packed and name.endswith((".weight_packed", ".weight_zero_point")):
-                shape = owner[f"{prefix}.weight_shape"].get_tensor(f"{prefix}.weight_shape").tolist()
-                num_bits = group[0].weights.num_bits
-                if name.endswith(".weight_packed"):
-                    yield f"{prefix}.weight", unpack_from_int32(tensor, num_bits, shape)
-                    continue
-                num_groups = owner[f"{prefix}.weight_scale"].get_slice(f"{prefix}.weight_scale").get_shape()[-1]
-                yield name, unpack_from_int32(tensor, num_bits, [shape[0], num_groups], packed_dim=0)
+            if group is None or not ct.is_quantized(params):
+                for name in names:
+                    yield name, reader.get(name)
                 continue
-            yield name, tensor
+            tensors = {param: reader.get(name) for param, name in zip(params, names, strict=True)}
+            for param, tensor in ct.decompress_linear(tensors, group[0].weights.num_bits).items():
+                yield f"{prefix}.{param}", tensor
 
 
 def load_model(

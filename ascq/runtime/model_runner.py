@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 from torch import nn
 
@@ -9,12 +12,16 @@ from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.request import Request
 from ascq.runtime.scheduler import SchedulerOutput
 
+DEBUG_STEP_DELAY_ENV = "ASCQ_DEBUG_STEP_DELAY_MS"
+
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, device: torch.device) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
+        # test-only: a deliberate per-step slowdown, so `ascq bench --compare` can be shown to catch regressions
+        self.debug_step_delay_s = float(os.environ.get(DEBUG_STEP_DELAY_ENV, "0") or 0) / 1000
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Inputs for the scheduled chunks, plus the flat row of each request's last scheduled token."""
@@ -50,6 +57,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """fp32 logits [R, vocab] for the requests whose scheduled chunk reaches their last token."""
+        if self.debug_step_delay_s:
+            time.sleep(self.debug_step_delay_s)
         input_ids, positions, meta, last_rows = self.prepare(out)
         hidden = self.model(input_ids, positions, meta)
         self.hidden_states = hidden  # every scheduled token's final hidden state (the engine's prompt_logprobs)

@@ -6,14 +6,13 @@ parsed back with huggingface_hub's `ModelCard` / `ModelCardData`.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ascq.errors import AscqError
+from ascq.formats.safetensors import atomic_write
 from ascq.paths import RECIPES_DIR, zoo_root
 from ascq.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
 
@@ -66,21 +65,12 @@ def write_card(entry_dir: Path, repo_id: str | None = None) -> Path:
     entry_dir = Path(entry_dir)
     text = render_card(entry_dir, repo_id)
     manifest = read_manifest(entry_dir)
-    _atomic_write(entry_dir / CARD_NAME, text.encode())
+    atomic_write(entry_dir / CARD_NAME, text.encode())
     files = dict(manifest.get("files") or {})
     files[CARD_NAME] = {"size": (entry_dir / CARD_NAME).stat().st_size, "sha256": sha256_file(entry_dir / CARD_NAME)}
     manifest["files"] = dict(sorted(files.items()))
-    _atomic_write(entry_dir / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
+    atomic_write(entry_dir / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
     return entry_dir / CARD_NAME
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise AscqError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

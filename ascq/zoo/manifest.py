@@ -133,7 +133,7 @@ def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
     """
     target = Path(target)
     if target.exists() and not overwrite:
-        raise AscqError(f"{target} already exists")
+        raise AscqError(f"{target} already exists; pass --overwrite to replace it")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
@@ -144,6 +144,7 @@ def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
         yield staging
         if not (staging / MANIFEST_NAME).is_file():
             raise AssertionError("staged_entry: write_manifest was not called before the block ended")
+        _normal_permissions(staging)
         _replace_dir(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -154,6 +155,13 @@ def _current_umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
+
+
+def _normal_permissions(folder: Path) -> None:
+    """Files 0644 and folders 0755 (less the umask): some writers (safetensors, mkstemp) create 0600."""
+    umask = _current_umask()
+    for path in folder.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _replace_dir(staging: Path, target: Path) -> None:

@@ -2,9 +2,8 @@
 and `require_weights`, the check that tells a user which command produces an entry's missing weights.
 
 Sizes count tensor payload bytes exactly as a compressed-tensors checkpoint stores them (safetensors headers, a few
-KiB, are not counted): quantized linears hold `weight_packed` int32 (or an int8 `weight`), `weight_scale` in the
-model dtype, a packed `weight_zero_point` when asymmetric, an int64 `weight_shape`; embeddings, norms, `lm_head` and the MoE
-router stay in bf16 (the converters' default exclusions).
+KiB, are not counted): quantized linears as `ascq.formats.compressed_tensors.linear_bytes` says; embeddings, norms,
+`lm_head` and the MoE router stay in bf16 (the converters' default exclusions).
 """
 
 from __future__ import annotations
@@ -15,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from compressed_tensors.quantization import QuantizationArgs
+
 from ascq.errors import AscqError
+from ascq.formats import compressed_tensors as ct
 from ascq.zoo.manifest import (
     MANIFEST_NAME,
     list_entry_files,
@@ -37,7 +39,6 @@ class WeightScheme:
     num_bits: int
     group_size: int | None
     symmetric: bool
-    packed: bool
     static_input_scale: bool = False
 
     def __post_init__(self) -> None:
@@ -46,31 +47,31 @@ class WeightScheme:
         if self.group_size is not None and self.group_size < 1:
             raise AscqError(f"{self.scheme}: group_size must be positive or None, got {self.group_size}")
 
+    def weight_args(self) -> QuantizationArgs:
+        strategy = "group" if self.group_size else "channel"
+        return QuantizationArgs(num_bits=self.num_bits, strategy=strategy, group_size=self.group_size,
+                                symmetric=self.symmetric)
+
+    def activation_args(self) -> QuantizationArgs | None:
+        if self.scheme.endswith("a16"):
+            return None
+        static = self.static_input_scale
+        return QuantizationArgs(num_bits=8, strategy="tensor" if static else "token", dynamic=not static)
+
     def linear_bytes(self, out_features: int, in_features: int) -> int:
-        """Bytes of one linear as compressed-tensors' compressors store it (checked against them in the tests)."""
-        num_groups = math.ceil(in_features / self.group_size) if self.group_size else 1
-        if self.packed:  # weight_packed int32 [out, ceil(in * bits / 32)] + weight_shape int64 [2]
-            weight = out_features * math.ceil(in_features * self.num_bits / 32) * 4 + 2 * 8
-        else:  # int-quantized: an int8 `weight` [out, in], whatever num_bits
-            weight = out_features * in_features
-        scale = out_features * num_groups * BF16_BYTES
-        zero_point = 0
-        if not self.symmetric:  # packed along the output dim: int32 [ceil(out * bits / 32), groups]
-            zero_point = math.ceil(out_features * self.num_bits / 32) * num_groups * 4 if self.packed else out_features * num_groups
-        input_scale = BF16_BYTES if self.static_input_scale else 0
-        return weight + scale + zero_point + input_scale
+        """Bytes of one linear as compressed-tensors stores it (`ascq.formats.compressed_tensors.linear_bytes`)."""
+        return ct.linear_bytes(self.weight_args(), self.activation_args(), out_features, in_features)
 
 
-# The converters' recipes (recipes/*.yaml) and how each stores its weights: compressed-tensors picks
-# pack-quantized for weight-only schemes and int-quantized (one int8 per value, int4 included) with int8 activations.
+# The converters' recipes (recipes/*.yaml) and how each stores its weights (compressed-tensors picks the format).
 RECIPE_SCHEMES: dict[str, WeightScheme] = {
-    "awq-int4": WeightScheme("w4a16", 4, 128, symmetric=False, packed=True),
-    "w4a16-gptq": WeightScheme("w4a16", 4, 128, symmetric=False, packed=True),
-    "w4a16-rtn": WeightScheme("w4a16", 4, 128, symmetric=False, packed=True),
-    "w4a8-dynamic": WeightScheme("w4a8_dynamic", 4, None, symmetric=True, packed=False),
-    "w8a16": WeightScheme("w8a16", 8, None, symmetric=True, packed=True),
-    "w8a8": WeightScheme("w8a8_dynamic", 8, None, symmetric=True, packed=False),
-    "w8a8-static": WeightScheme("w8a8_static", 8, None, symmetric=True, packed=False, static_input_scale=True),
+    "awq-int4": WeightScheme("w4a16", 4, 128, symmetric=False),
+    "w4a16-gptq": WeightScheme("w4a16", 4, 128, symmetric=False),
+    "w4a16-rtn": WeightScheme("w4a16", 4, 128, symmetric=False),
+    "w4a8-dynamic": WeightScheme("w4a8_dynamic", 4, None, symmetric=True),
+    "w8a16": WeightScheme("w8a16", 8, None, symmetric=True),
+    "w8a8": WeightScheme("w8a8_dynamic", 8, None, symmetric=True),
+    "w8a8-static": WeightScheme("w8a8_static", 8, None, symmetric=True, static_input_scale=True),
 }
 
 

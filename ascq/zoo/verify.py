@@ -10,18 +10,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-
 from ascq.errors import AscqError
+from ascq.formats import compressed_tensors as ct
+from ascq.formats import msmodelslim as ms
+from ascq.formats.safetensors import CheckpointReader
 from ascq.zoo.manifest import read_manifest, verify_files
 from ascq.zoo.planned import require_weights
 
-TENSOR_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-QUANTIZED_PARAMS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
-# dtype of the main quantized tensor per compressed-tensors format
-MAIN_TENSOR_DTYPES = {"pack-quantized": ("weight_packed", "I32"), "int-quantized": ("weight", "I8"),
-                      "float-quantized": ("weight", "F8_E4M3")}
 
 
 def verify_entry(entry_dir: Path) -> list[str]:
@@ -34,8 +30,9 @@ def verify_entry(entry_dir: Path) -> list[str]:
     config = _check_config(entry_dir)
     passed.append(f"config.json loads (model_type {config['model_type']})")
     passed.append(f"tokenizer loads ({_check_tokenizer(entry_dir)})")
-    tensors = read_tensor_infos(entry_dir)
-    passed.append(_check_format(entry_dir.name, manifest.get("format", "hf"), config, tensors, entry_dir))
+    reader = CheckpointReader(entry_dir)
+    tensors = {name: reader.tensor_info(name) for name in reader}
+    passed.append(_check_format(entry_dir.name, manifest.get("format", "hf"), config, tensors, reader))
     return passed
 
 
@@ -72,24 +69,9 @@ def _check_tokenizer(entry_dir: Path) -> str:
 
 
 def read_tensor_infos(entry_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (safetensors dtype, shape) over every shard; checks the shard index when there is one."""
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    location: dict[str, str] = {}
-    for shard in sorted(entry_dir.glob("*.safetensors")):
-        with safe_open(shard, framework="pt") as f:
-            for name in f.keys():
-                if name in tensors:
-                    raise AscqError(f"{entry_dir.name}: tensor {name} is in both {location[name]} and {shard.name}")
-                piece = f.get_slice(name)
-                tensors[name], location[name] = (piece.get_dtype(), tuple(piece.get_shape())), shard.name
-    index_path = entry_dir / TENSOR_INDEX
-    if index_path.is_file():
-        weight_map = json.loads(index_path.read_text()).get("weight_map", {})
-        for name in sorted(set(weight_map) | set(location)):
-            if weight_map.get(name) != location.get(name):
-                raise AscqError(f"{entry_dir.name}: {TENSOR_INDEX} maps {name} to {weight_map.get(name)}, "
-                                f"but it is in {location.get(name)}")
-    return tensors
+    """name -> (safetensors dtype, shape) over every shard (the reader checks the shard index)."""
+    reader = CheckpointReader(entry_dir)
+    return {name: reader.tensor_info(name) for name in reader}
 
 
 def _modules(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
@@ -102,29 +84,24 @@ def _modules(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, dict[
 
 def _linear_modules(modules: dict[str, dict[str, Any]]) -> list[str]:
     """Modules holding a 2-D (or packed) weight, except embeddings."""
-    return sorted(
-        m for m, params in modules.items()
-        if ("weight_packed" in params or ("weight" in params and len(params["weight"][1]) == 2)) and not m.endswith("embed_tokens")
-    )
+    return sorted(m for m, params in modules.items() if ct.is_linear_module(params) and not m.endswith("embed_tokens"))
 
 
-def _check_format(name: str, fmt: str, config: dict[str, Any], tensors: dict, entry_dir: Path) -> str:
+def _check_format(name: str, fmt: str, config: dict[str, Any], tensors: dict, reader: CheckpointReader) -> str:
     if fmt == "compressed-tensors":
-        return _check_compressed_tensors(name, config, tensors)
+        return _check_compressed_tensors(name, config, tensors, reader)
     if fmt == "msmodelslim":
-        return _check_msmodelslim(name, tensors, entry_dir)
+        return _check_msmodelslim(name, tensors, reader.model_dir)
     if fmt == "hf":
         for tensor, (dtype, _) in sorted(tensors.items()):
-            if tensor.rpartition(".")[2] in QUANTIZED_PARAMS or not dtype.startswith(("F", "BF")):
+            if tensor.rpartition(".")[2] in ct.QUANTIZED_PARAMS or not dtype.startswith(("F", "BF")):
                 raise AscqError(f"{name}: tensor {tensor} ({dtype}) is quantized, but the manifest says format hf")
         return f"{len(tensors)} tensors are plain float weights (format hf)"
     raise AscqError(f"{name}: unknown format '{fmt}' in the manifest (hf, compressed-tensors, msmodelslim)")
 
 
-def _check_compressed_tensors(name: str, config: dict[str, Any], tensors: dict) -> str:
-    from compressed_tensors.compressors import BaseCompressor
+def _check_compressed_tensors(name: str, config: dict[str, Any], tensors: dict, reader: CheckpointReader) -> str:
     from compressed_tensors.quantization import QuantizationConfig
-    from compressed_tensors.utils.match import match_name
 
     qc_dict = config.get("quantization_config") or {}
     if qc_dict.get("quant_method") != "compressed-tensors":
@@ -137,24 +114,15 @@ def _check_compressed_tensors(name: str, config: dict[str, Any], tensors: dict) 
     num_quantized = 0
     for module in _linear_modules(modules):
         params = modules[module]
-        ignored = any(match_name(module, target) for target in qc.ignore or [])
-        scheme = next((s for s in qc.config_groups.values()
-                       if any(t == "Linear" or match_name(module, t) for t in s.targets)), None)
-        if ignored or scheme is None:
-            if "weight" not in params or set(params) & set(QUANTIZED_PARAMS):
+        ignored = ct.is_ignored(module, list(qc.ignore or []))
+        scheme = ct.match_scheme(module, qc.config_groups.values(), list(qc.ignore or []))
+        if scheme is None:
+            if "weight" not in params or set(params) & set(ct.QUANTIZED_PARAMS):
                 why = "is in the ignore list" if ignored else "matches no config group"
                 raise AscqError(f"{name}: {module} {why} but is stored quantized ({', '.join(sorted(params))})")
             continue
         fmt = scheme.format or qc.format
-        required = set(BaseCompressor.load_from_registry(fmt).compression_param_names(scheme))
-        if scheme.input_activations is not None and not scheme.input_activations.dynamic:
-            required.add("input_scale")
-        missing = sorted(required - set(params))
-        if missing:
-            raise AscqError(f"{name}: {module} lacks {', '.join(missing)} required by format {fmt} (has {', '.join(sorted(params))})")
-        main, dtype = MAIN_TENSOR_DTYPES.get(fmt, (None, None))
-        if main and params[main][0] != dtype:
-            raise AscqError(f"{name}: {module}.{main} is {params[main][0]}, format {fmt} stores {dtype}")
+        _check_linear(name, module, params, scheme, fmt, reader)
         num_quantized += 1
     if qc.kv_cache_scheme is not None:
         for module in sorted(m for m in modules if m.endswith("self_attn")):
@@ -166,8 +134,26 @@ def _check_compressed_tensors(name: str, config: dict[str, Any], tensors: dict) 
     return f"tensor names match compressed-tensors ({num_quantized} quantized linears, format {qc.format})"
 
 
+def _check_linear(name: str, module: str, params: dict, scheme: Any, fmt: str, reader: CheckpointReader) -> None:
+    """The linear's tensors are the names (and, for the formats ascq writes, the dtypes and shapes) it stores."""
+    required = ct.required_params(scheme, fmt)
+    missing = sorted(required - set(params))
+    if missing:
+        raise AscqError(f"{name}: {module} lacks {', '.join(missing)} required by format {fmt} (has {', '.join(sorted(params))})")
+    if fmt not in ct.SUPPORTED_FORMATS:
+        return
+    weight_shape = reader.get(f"{module}.weight_shape") if "weight_shape" in params else None
+    out_features, in_features = ct.stored_shape(params, weight_shape)
+    expected = ct.linear_tensor_specs(scheme.weights, scheme.input_activations, out_features, in_features,
+                                      params["weight_scale"][0])
+    for param, (dtype, shape) in expected.items():
+        if params.get(param, (dtype, shape)) != (dtype, shape):
+            raise AscqError(f"{name}: {module}.{param} is {params[param][0]} {list(params[param][1])}, "
+                            f"format {fmt} stores {dtype} {list(shape)}")
+
+
 def _check_msmodelslim(name: str, tensors: dict, entry_dir: Path) -> str:
-    descriptions = sorted(entry_dir.glob("quant_model_description*.json"))
+    descriptions = sorted(entry_dir.glob(f"{Path(ms.DESCRIPTION_NAME).stem}*.json"))
     if not descriptions:
         raise AscqError(f"{name}: format msmodelslim needs a quant_model_description*.json")
     description = json.loads(descriptions[0].read_text())

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ascq.errors import UnsupportedError
+from ascq.formats.msmodelslim import static_dequant_params
 from ascq.kernels import QuantLinearWeights
 from ascq.kernels.npu.runtime import ACL_FORMAT_FRACTAL_NZ, check_compute_dtype, to_device, torch_npu
 
@@ -45,7 +46,7 @@ def _weight_kn(w: QuantLinearWeights) -> torch.Tensor:
 
 
 def _require_symmetric(w: QuantLinearWeights) -> None:
-    if w.weight_zero_point is not None and bool(w.weight_zero_point.any()):
+    if w.zero_point is not None and bool(w.zero_point.any()):
         raise UnsupportedError(
             f"--device npu runs {w.scheme} with symmetric weights only (found weight zero points)"
         )
@@ -61,15 +62,13 @@ def _prepare_w8a8(w: QuantLinearWeights, dtype: torch.dtype) -> NpuLinear:
         return NpuLinear(w.scheme, dtype, weight, scale=to_device(weight_scale), bias=bias)
     input_scale = w.input_scale.float().reshape(1)
     input_offset = torch.zeros(1) if w.input_zero_point is None else w.input_zero_point.float().reshape(1)
-    deq_scale = input_scale * weight_scale
-    bias = torch.zeros(w.out_features) if w.bias is None else w.bias.double()
-    quant_bias = (bias / deq_scale.double() - input_offset.double() * w.weight.double().sum(dim=1)).round()
+    deq_scale, quant_bias = static_dequant_params(w.weight, weight_scale, input_scale, input_offset, w.bias)
     return NpuLinear(
         w.scheme,
         dtype,
         weight,
         scale=to_device(deq_scale),
-        bias=to_device(quant_bias.to(torch.int32)),
+        bias=to_device(quant_bias),
         input_scale=to_device(input_scale),
         input_offset=to_device(input_offset.to(torch.int8)),
     )
@@ -87,7 +86,7 @@ def _prepare_weight_only(w: QuantLinearWeights, dtype: torch.dtype) -> NpuLinear
     if w.num_bits == 4:
         weight = torch_npu().npu_convert_weight_to_int4pack(weight.to(torch.int32))
     scale = to_device(w.weight_scale.t(), dtype)  # (groups, N); per channel (1, N)
-    offset = None if w.weight_zero_point is None else to_device(-w.weight_zero_point.float().t(), dtype)
+    offset = None if w.zero_point is None else to_device(-w.zero_point.float().t(), dtype)
     bias_dtype = torch.float32 if dtype == torch.bfloat16 else torch.float16
     bias = None if w.bias is None else to_device(w.bias, bias_dtype)
     return NpuLinear(w.scheme, dtype, weight, scale=scale, offset=offset, bias=bias, group_size=group_size)

@@ -56,7 +56,7 @@ def _prepare_group(linears: list[QuantLinearWeights], dtype: torch.dtype) -> Gro
     if scheme == "dense":
         return GroupedWeights(scheme, dtype, to_device(weight_kn, dtype))
     if scheme in ("w8a8_dynamic", "w8a8_static"):
-        if any(w.weight_zero_point is not None and bool(w.weight_zero_point.any()) for w in linears):
+        if any(w.zero_point is not None and bool(w.zero_point.any()) for w in linears):
             raise UnsupportedError(f"--device npu runs {scheme} experts with symmetric weights only")
         scale = to_device(torch.stack([w.weight_scale.float().reshape(-1) for w in linears]))
         input_scale = None
@@ -94,9 +94,9 @@ def _prepare_weight_only(linears: list[QuantLinearWeights], weight_kn: torch.Ten
 
     scale = to_device(torch.stack([layout(w.weight_scale) for w in linears]), dtype)
     offset = None
-    if any(w.weight_zero_point is not None for w in linears):
+    if any(w.zero_point is not None for w in linears):
         zeros = [
-            w.weight_zero_point if w.weight_zero_point is not None else torch.zeros_like(w.weight_scale)
+            w.zero_point if w.zero_point is not None else torch.zeros_like(w.weight_scale)
             for w in linears
         ]
         offset = to_device(torch.stack([-layout(z) for z in zeros]), dtype)

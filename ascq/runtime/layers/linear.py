@@ -2,7 +2,7 @@
 
 As in vLLM / nano-vllm: `ColumnParallelLinear` splits the output dim across ranks (q/k/v, gate/up — merged into
 one matmul), `RowParallelLinear` splits the input dim and all-reduces. Checkpoint tensors arrive one at a time via
-`weight_loader(param_name, tensor, shard_id, scheme)` (param_name: weight, weight_scale, weight_zero_point,
+`weight_loader(param_name, tensor, shard_id, scheme)` (param_name: weight, weight_scale, zero_point,
 input_scale, input_zero_point, bias), are narrowed to this rank's shard and kept until `finalize`, which builds
 the kernels' `QuantLinearWeights`, merges the shards along the output dim and calls `backend.prepare_linear`.
 """
@@ -28,13 +28,13 @@ def build_quant_weights(params: dict[str, torch.Tensor], scheme: str) -> QuantLi
     if scheme == "dense" or scale is None:
         return QuantLinearWeights("dense", weight, bias=params.get("bias"))
     scale = scale.reshape(weight.shape[0], -1)
-    zero = params.get("weight_zero_point")
+    zero = params.get("zero_point")
     num_groups = scale.shape[1]
     return QuantLinearWeights(
         scheme=scheme,
         weight=weight.to(torch.int8),
         weight_scale=scale,
-        weight_zero_point=None if zero is None else zero.reshape(scale.shape).to(torch.int8),
+        zero_point=None if zero is None else zero.reshape(scale.shape).to(torch.int8),
         group_size=weight.shape[1] // num_groups if num_groups > 1 else None,
         input_scale=params.get("input_scale"),
         input_zero_point=params.get("input_zero_point"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ascq.runtime.layers.loadable import assign_parameter
@@ -18,8 +19,8 @@ class RMSNorm(nn.Module):
         assign_parameter(self, param_name, tensor)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x * rsqrt(mean(x^2) + eps) in fp32 as one fused op (the same math as the explicit ops, fewer dispatches)
+        x32 = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * x32.to(x.dtype)
 
     def forward(

@@ -39,14 +39,20 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`cos_sin`: this step's rotary factors (`RotaryEmbedding.cos_sin`), shared by all layers when given."""
         qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta))
+        heads, q_heads = self.num_heads + self.num_kv_heads, self.num_heads
+        qk_size = heads * self.head_dim
+        if cos_sin is None:
+            cos_sin = self.rotary_emb.cos_sin(positions, qkv.dtype)
+        # q and k heads are adjacent in the fused projection's output: one rotation for both
+        qk = self.rotary_emb.rotate(qkv[:, :qk_size].view(-1, heads, self.head_dim), cos_sin)
+        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(qk[:, :q_heads], qk[:, q_heads:], v, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -57,7 +63,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -72,13 +78,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(positions, x, meta, cos_sin)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -92,8 +99,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.layers[0].self_attn.rotary_emb.cos_sin(positions, x.dtype) if len(self.layers) else None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(positions, x, residual, meta, cos_sin)
         x, _ = self.norm(x, residual)
         return x
 

@@ -25,7 +25,7 @@ PACKED_MODULES = {
 }
 EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 KV_SCALE_RE = re.compile(r"^(.*\.self_attn)(?:\.([kv])_proj)?\.(k_scale|v_scale|output_scale)$")
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "weight_shape")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_named_weights(

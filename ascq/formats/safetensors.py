@@ -1,0 +1,174 @@
+"""The one safetensors checkpoint reader (and the one atomic file write) of ascq.
+
+A checkpoint folder is read through its shard index (`*.safetensors.index.json`) when it has one, else
+`model.safetensors`, else every `*.safetensors` file. Every shard's header is checked against its file size up
+front, so a truncated or corrupted shard is an `AscqError` before any work starts (reading past the end of a
+memory-mapped file would crash the process); a tensor stored twice, or an index that disagrees with the shards, is
+named too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ascq.errors import AscqError
+
+INDEX_NAME = "model.safetensors.index.json"
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file beside it, so readers see the old or the new file."""
+    try:
+        with atomic_output(Path(path)) as tmp:
+            tmp.write_bytes(data)
+    except OSError as exc:
+        raise AscqError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` to write; it replaces `path` when the block succeeds, else it is removed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _read_header(path: Path) -> dict[str, dict]:
+    """Tensor name -> header entry (dtype, shape, data_offsets) of a shard whose data fits the file."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        data_end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise AscqError(f"{path.name} is not a valid safetensors file ({exc}); the checkpoint is corrupted") from None
+    if 8 + header_len + data_end != size:
+        raise AscqError(
+            f"{path.name} is truncated or corrupted: its header describes {8 + header_len + data_end} bytes, "
+            f"the file has {size}"
+        )
+    return header
+
+
+def _index_path(model_dir: Path) -> Path | None:
+    indexes = sorted(model_dir.glob(f"*{INDEX_SUFFIX}"))
+    if len(indexes) > 1:
+        raise AscqError(f"{model_dir}: more than one shard index ({', '.join(p.name for p in indexes)})")
+    return indexes[0] if indexes else None
+
+
+class CheckpointReader:
+    """Tensor name -> shard map of a safetensors checkpoint folder; `get` reads one tensor.
+
+    Outside `opened()` each tensor is read through its own short-lived mapping, so at most one source tensor's
+    pages are resident next to the converted copies; inside it every shard stays open (a linear's tensors may sit
+    in different shards).
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.index_path = _index_path(self.model_dir)
+        weight_map = self._weight_map() if self.index_path else None
+        if weight_map is not None:
+            files = sorted(set(weight_map.values()))
+        elif (self.model_dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            files = sorted(p.name for p in self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise AscqError(f"{self.model_dir}: model.safetensors is missing (no *.safetensors files nor a shard index; "
+                            "only safetensors checkpoints are read)")
+        self.file_of: dict[str, str] = {}
+        self.headers: dict[str, dict] = {}
+        for name in files:
+            path = self.model_dir / name
+            if not path.is_file():
+                raise AscqError(f"{self.model_dir}: checkpoint file {name} is missing")
+            header = _read_header(path)
+            for tensor, info in header.items():
+                if tensor in self.file_of:
+                    raise AscqError(f"{self.model_dir.name}: tensor {tensor} is in both {self.file_of[tensor]} and {name}")
+                self.file_of[tensor] = name
+                self.headers[tensor] = info
+        if weight_map is not None:
+            self._check_index(weight_map)
+        self.num_bytes = sum((self.model_dir / f).stat().st_size for f in files)
+        self._handles: dict[str, object] | None = None
+
+    def _weight_map(self) -> dict[str, str]:
+        try:
+            weight_map = json.loads(self.index_path.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not a mapping")
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise AscqError(f"{self.index_path} is not a valid safetensors index: {exc}") from None
+        return weight_map
+
+    def _check_index(self, weight_map: dict[str, str]) -> None:
+        for name in sorted(set(weight_map) | set(self.file_of)):
+            if weight_map.get(name) != self.file_of.get(name):
+                raise AscqError(f"{self.model_dir.name}: {self.index_path.name} maps {name} to {weight_map.get(name)}, "
+                                f"but it is in {self.file_of.get(name)}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.file_of)
+
+    def tensor_info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype, shape) of a tensor, from the header."""
+        info = self.headers[name]
+        return info["dtype"], tuple(info["shape"])
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[CheckpointReader]:
+        """Keep every shard open (memory-mapped) while the block runs."""
+        with contextlib.ExitStack() as stack:
+            self._handles = {
+                f: stack.enter_context(safe_open(self.model_dir / f, framework="pt", device="cpu"))
+                for f in sorted(set(self.file_of.values()))
+            }
+            try:
+                yield self
+            finally:
+                self._handles = None
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.file_of:
+            raise AscqError(f"{self.model_dir}: tensor {name} is missing from the checkpoint")
+        if self._handles is not None:
+            return self._handles[self.file_of[name]].get_tensor(name)
+        with safe_open(self.model_dir / self.file_of[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def get_prefix(self, prefix: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """All tensors whose name starts with `prefix`, prefix stripped (one layer's weights)."""
+        state = {}
+        for name in self.file_of:
+            if name.startswith(prefix) and not name.endswith("rotary_emb.inv_freq"):
+                tensor = self.get(name)
+                state[name[len(prefix):]] = tensor.to(dtype) if dtype is not None else tensor
+        return state
+
+    def dtype(self) -> torch.dtype:
+        """The dtype of the checkpoint's floating-point weights (that of the first layer's tensors)."""
+        name = next((n for n in self.file_of if n.startswith("model.layers.")), next(iter(self.file_of)))
+        return self.get(name).dtype

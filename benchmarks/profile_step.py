@@ -1,0 +1,144 @@
+"""Where each millisecond of a decode step goes: batch-B decode through the real engine (`LLMEngine.step`).
+
+B requests are admitted and prefilled, then N decode steps are timed. Each step is split by wall clock into the
+engine's phases (scheduler, metadata building in `ModelRunner.prepare`, the model forward, the LM head, the
+sampler, the engine's own bookkeeping), and the forward further into its leaf layers (linears, attention kernel,
+KV cache write, norms, rotary, embedding) by timing those calls; "python / other" is the forward's time outside
+them (module dispatch, splits/views, residual adds). Prints a markdown table of ms per step (median over steps).
+
+    OMP_NUM_THREADS=2 python benchmarks/profile_step.py --model /work/smollm2-hf --dtype float32 --batch 1 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from ascq import LLM, SamplingParams
+from ascq.runtime.layers.attention import Attention
+from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ascq.runtime.layers.linear import LinearBase
+from ascq.runtime.layers.rmsnorm import RMSNorm
+from ascq.runtime.layers.rotary import RotaryEmbedding
+
+LEAF_LAYERS = {LinearBase: "linears", RMSNorm: "norms (+residual add)", RotaryEmbedding: "rotary",
+               VocabParallelEmbedding: "embedding"}
+
+
+class StepClock:
+    """Accumulates wall time per label within one step."""
+
+    def __init__(self) -> None:
+        self.step: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        self.depth = 0
+
+    @contextmanager
+    def timed(self, label: str, leaf: bool = True):
+        if leaf and self.depth:  # a leaf inside a leaf (e.g. a norm's linear): count once, at the outer one
+            yield
+            return
+        self.depth += leaf
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.step[label] += time.perf_counter() - start
+            self.depth -= leaf
+
+    def wrap(self, label: str, fn: Callable, leaf: bool = True) -> Callable:
+        def timed_fn(*args, **kwargs):
+            with self.timed(label, leaf):
+                return fn(*args, **kwargs)
+
+        return timed_fn
+
+    def end_step(self) -> None:
+        self.steps.append(dict(self.step))
+        self.step = defaultdict(float)
+
+
+def instrument(llm: LLM, clock: StepClock) -> None:
+    engine = llm.engine
+    engine.scheduler.schedule = clock.wrap("scheduler", engine.scheduler.schedule, leaf=False)
+    engine.scheduler.update_after_step = clock.wrap("scheduler", engine.scheduler.update_after_step, leaf=False)
+    engine.runner.prepare = clock.wrap("metadata (prepare)", engine.runner.prepare, leaf=False)
+    engine.sampler = clock.wrap("sampler", engine.sampler, leaf=False)
+    model = engine.model
+    model.forward = clock.wrap("forward (total)", model.forward, leaf=False)
+    model.compute_logits = clock.wrap("lm head", model.compute_logits, leaf=False)
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            continue
+        for cls, label in LEAF_LAYERS.items():
+            if isinstance(module, cls):
+                module.forward = clock.wrap(label, module.forward)
+        if isinstance(module, Attention):
+            backend = module.backend
+
+            class TimedBackend:  # per-layer proxy so the shared backend module stays untouched
+                write_kv_cache = staticmethod(clock.wrap("kv cache write", backend.write_kv_cache))
+                paged_attention = staticmethod(clock.wrap("attention kernel", backend.paged_attention))
+
+            module.backend = TimedBackend
+
+
+FORWARD_PARTS = ("linears", "attention kernel", "kv cache write", "norms (+residual add)", "rotary", "embedding")
+ENGINE_PARTS = ("scheduler", "metadata (prepare)", "lm head", "sampler")
+
+
+def profile(model: str, dtype: str, batch: int, num_steps: int, context: int, eager: bool) -> dict[str, float]:
+    kwargs = {"enforce_eager": eager} if eager is not None else {}
+    llm = LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20, **kwargs)
+    prompts = [[100 + (i * 7 + j) % 3000 for j in range(context)] for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=num_steps + 8, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up (compiles, native kernels)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    clock = StepClock()
+    instrument(llm, clock)
+    for _ in range(num_steps):
+        with clock.timed("step (total)", leaf=False):
+            engine.step()
+        clock.end_step()
+    med = {k: statistics.median(s.get(k, 0.0) for s in clock.steps) * 1e3 for k in clock.steps[0]}
+    med["python / other (in forward)"] = med["forward (total)"] - sum(med.get(k, 0.0) for k in FORWARD_PARTS)
+    med["engine bookkeeping"] = med["step (total)"] - med["forward (total)"] - sum(med.get(k, 0.0) for k in ENGINE_PARTS)
+    return med
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="/work/smollm2-hf")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="profile the eager path (default: the engine's default)")
+    args = parser.parse_args()
+    results = {b: profile(args.model, args.dtype, b, args.steps, args.context, args.enforce_eager) for b in args.batch}
+    rows = ["step (total)", "forward (total)", *FORWARD_PARTS, "python / other (in forward)", *ENGINE_PARTS,
+            "engine bookkeeping"]
+    print(f"# decode step, {args.model} {args.dtype}, context {args.context}, {torch.get_num_threads()} threads, "
+          f"median of {args.steps} steps (ms)")
+    print()
+    print("| part | " + " | ".join(f"batch {b}" for b in args.batch) + " |")
+    print("|---|" + "---:|" * len(args.batch))
+    for row in rows:
+        print(f"| {row} | " + " | ".join(f"{results[b].get(row, 0.0):.2f}" for b in args.batch) + " |")
+
+
+if __name__ == "__main__":
+    main()

