@@ -87,6 +87,23 @@ def zoo_pull(
     pull(repo, revision=revision, out=out, force=force, echo=typer.echo)
 
 
+@zoo_app.command("gc")
+def zoo_gc(
+    zoo: Annotated[Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")] = None,
+) -> None:
+    """Remove staging folders that a killed convert / import / pull left behind (their process is gone)."""
+    import shutil
+
+    from ascq.paths import zoo_root
+    from ascq.zoo.manifest import stale_staging
+
+    found = stale_staging(zoo or zoo_root())
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+        typer.echo(f"removed {path}")
+    typer.echo(f"{len(found)} stale staging folder(s) removed")
+
+
 @zoo_app.command("import-gguf")
 def zoo_import_gguf(
     file: Annotated[Path | None, typer.Argument(help="GGUF file (llama.cpp).")] = None,
@@ -125,7 +142,7 @@ def publish(
 def convert(
     model: Annotated[str, typer.Argument(help="Local Hugging Face checkpoint folder, or a Hub id.")],
     recipe: Annotated[list[str], typer.Option(help="Recipe name (see 'ascq recipes') or YAML path; repeat to compose.")],
-    out: Annotated[Path | None, typer.Option(help="Output entry folder (default: the zoo's MODEL-RECIPES).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output entry folder (default: the zoo's MODEL-RECIPES-FORMAT).")] = None,
     calib: Annotated[str | None, typer.Option(help="Calibration data: text/json/jsonl/parquet file or folder, or Hub dataset id.")] = None,
     num_samples: Annotated[int, typer.Option(help="Calibration blocks.")] = 64,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration block.")] = 512,
@@ -133,6 +150,7 @@ def convert(
     format: Annotated[str, typer.Option(help="compressed-tensors, or msmodelslim (vllm-ascend).")] = "compressed-tensors",
     eval_text: Annotated[Path | None, typer.Option(help="Text for perplexity before/after (default: the fixture eval text for ascq fixtures).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 1GB, 500MB (held in memory until written).")] = "1GB",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing entry at --out (atomically; never the source).")] = False,
 ) -> None:
     """Quantize a checkpoint with one or more recipes into a zoo entry (layer by layer, atomic)."""
     from ascq.quantize.convert import ConvertOptions, format_summary, parse_size
@@ -140,7 +158,7 @@ def convert(
 
     options = ConvertOptions(
         model=model, recipes=recipe, out=out, calib=calib, num_samples=num_samples, seq_len=seq_len, device=device,
-        format=format, eval_text=eval_text, max_shard_bytes=parse_size(max_shard_size),
+        format=format, eval_text=eval_text, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
     )  # fmt: skip
     typer.echo(format_summary(run_convert(options)))
 
@@ -154,6 +172,26 @@ def recipes() -> None:
     width = max(len(name) for name, _ in rows)
     for name, description in rows:
         typer.echo(f"{name.ljust(width)}  {description}")
+
+
+# ---- distributed options (vLLM's flag names), shared by generate and serve -------------------------------
+
+TensorParallelSize = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="Tensor-parallel ranks.")]
+PipelineParallelSize = Annotated[int, typer.Option("--pipeline-parallel-size", "-pp", help="Pipeline stages.")]
+EnableExpertParallel = Annotated[bool, typer.Option(
+    help="Split routed experts over the tensor-parallel ranks instead of sharding each expert.")]
+NumNodes = Annotated[int, typer.Option(help="Nodes the ranks are spread over (equal shares).")]
+NodeRank = Annotated[int, typer.Option(help="This node's index; node 0 runs the engine, others only ranks.")]
+MasterAddr = Annotated[str, typer.Option(help="Node 0's address for the rendezvous.")]
+MasterPort = Annotated[int | None, typer.Option(help="Rendezvous port on node 0 (default: a free one, one node).")]
+
+
+def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int, enable_expert_parallel: bool,
+                  nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+                  master_port: int | None = None) -> dict:
+    return {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+            "enable_expert_parallel": enable_expert_parallel, "nnodes": nnodes, "node_rank": node_rank,
+            "master_addr": master_addr, "master_port": master_port}
 
 
 # ---- generate --------------------------------------------------------------------------------------------
@@ -181,7 +219,9 @@ def generate(
     enforce_eager: Annotated[bool, typer.Option(help="Accepted for vLLM compatibility.")] = True,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
     quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
-    tensor_parallel_size: Annotated[int, typer.Option(help="Devices per model (1).")] = 1,
+    tensor_parallel_size: TensorParallelSize = 1,
+    pipeline_parallel_size: PipelineParallelSize = 1,
+    enable_expert_parallel: EnableExpertParallel = False,
 ) -> None:
     """Generate text for one or more prompts offline and print it."""
     from ascq.runtime.llm import LLM
@@ -196,11 +236,12 @@ def generate(
                   max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                   enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-                  tensor_parallel_size=tensor_parallel_size)
-        if chat:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
-        else:
-            outputs = llm.generate(list(prompt), params)
+                  **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel))
+        with llm:
+            if chat:
+                outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
+            else:
+                outputs = llm.generate(list(prompt), params)
     except ValueError as exc:
         raise AscqError(str(exc)) from exc
     for output in outputs:
@@ -235,17 +276,27 @@ def serve(
     enforce_eager: Annotated[bool, typer.Option(help="Accepted for vLLM compatibility.")] = True,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
     quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
-    tensor_parallel_size: Annotated[int, typer.Option(help="Devices per model (1).")] = 1,
     enable_auto_tool_choice: Annotated[bool, typer.Option(
         help="Let the model decide to call tools (tool_choice auto); needs --tool-call-parser.")] = False,
     tool_call_parser: Annotated[str | None, typer.Option(help="Tool-call format of the model's output: hermes.")] = None,
+    tensor_parallel_size: TensorParallelSize = 1,
+    pipeline_parallel_size: PipelineParallelSize = 1,
+    enable_expert_parallel: EnableExpertParallel = False,
+    nnodes: NumNodes = 1,
+    node_rank: NodeRank = 0,
+    master_addr: MasterAddr = "127.0.0.1",
+    master_port: MasterPort = None,
 ) -> None:
-    """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
+
+    With --nnodes N, run the same command on every node with its --node-rank; node 0 serves."""
     import os
 
+    from ascq.runtime.distributed.rendezvous import is_headless
     from ascq.runtime.server.listen import bind_socket
 
-    sock = bind_socket(host, port)  # before torch and the model load: a busy port fails at once
+    headless = is_headless(node_rank)  # a node that only runs ranks, until node 0's engine stops them
+    sock = None if headless else bind_socket(host, port)  # before torch and the model load: a busy port fails at once
 
     from ascq.runtime.server.api_server import ServeOptions
 
@@ -265,8 +316,14 @@ def serve(
                              seed=seed, served_model_name=served_model_name,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                              enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-                             tensor_parallel_size=tensor_parallel_size,
-                             performance_mode=performance_mode)
+                             performance_mode=performance_mode,
+                             **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel,
+                                             nnodes, node_rank, master_addr, master_port))
+    if headless:
+        from ascq.runtime.distributed.executor import run_node
+
+        run_node(engine_args)
+        return
     run_server(engine_args, options, sock)
     # drained and shut down: skip the interpreter's module teardown (seconds with torch loaded), so that
     # SIGTERM -> exit stays within the drain bound
@@ -391,10 +448,15 @@ def bench_latency(
 # ---- entry point -----------------------------------------------------------------------------------------
 
 
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT); SIGTERM gives 143
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; user errors are printed as one line `error: ...` with a non-zero exit code."""
     try:
         exit_code = app(args=argv, standalone_mode=False)  # click returns a command's typer.Exit code here
+        if exit_code == INTERRUPTED:  # typer turns KeyboardInterrupt into Exit(130) and returns it
+            raise KeyboardInterrupt
         if isinstance(exit_code, int) and exit_code:
             sys.exit(exit_code)
     except click_exceptions.NoArgsIsHelpError:
@@ -412,8 +474,15 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        typer.echo("error: interrupted", err=True)
-        sys.exit(130)
+        typer.echo("error: interrupted (Ctrl-C); any partial output was removed", err=True)
+        sys.exit(INTERRUPTED)
+    except BaseException as exc:
+        from ascq.zoo.manifest import Terminated
+
+        if not isinstance(exc, Terminated):
+            raise
+        typer.echo("error: terminated (SIGTERM); any partial output was removed", err=True)
+        sys.exit(143)
 
 
 if __name__ == "__main__":

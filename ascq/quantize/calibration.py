@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import torch
 
 from ascq.errors import AscqError
-from ascq.paths import CALIB_TEXT
+from ascq.paths import CALIB_TEXT, portable_name
 
 log = logging.getLogger(__name__)
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -88,7 +88,7 @@ def load_texts(source: str | Path | None) -> tuple[str, list[str]]:
     )
     if column is None:
         raise AscqError(f"calibration dataset {source}: no text column (columns: {', '.join(data.column_names)})")
-    return source, [t for t in data[column] if t]
+    return portable_name(source), [t for t in data[column] if t]
 
 
 def pack_tokens(token_lists: list[list[int]], eos_id: int | None, seq_len: int, num_samples: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ def load_calibration(source: str | Path | None, tokenizer, num_samples: int, seq
     token_lists = []
     total = 0
     for text in texts:  # tokenize lazily: stop once there are enough tokens
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # no "longer than" warning
         token_lists.append(ids)
         total += len(ids) + 1
         if total >= num_samples * seq_len:

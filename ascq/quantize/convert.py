@@ -15,13 +15,21 @@ import torch
 
 from ascq.errors import AscqError, UnsupportedError
 from ascq.formats.safetensors import CheckpointReader
-from ascq.paths import EVAL_TEXT, zoo_root
+from ascq.paths import EVAL_TEXT, portable_name, zoo_root
 from ascq.quantize.architectures import load_architecture
-from ascq.quantize.calibration import hub_reachable, load_calibration
+from ascq.quantize.calibration import CalibrationSet, hub_reachable, load_calibration
 from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
-from ascq.quantize.pipeline import stream_convert
+from ascq.quantize.pipeline import StreamResult, stream_convert
 from ascq.quantize.recipe import ComposedRecipe, load_recipes
-from ascq.zoo.manifest import MANIFEST_NAME, new_manifest, read_manifest, staged_entry, write_manifest
+from ascq.zoo.manifest import (
+    MANIFEST_NAME,
+    check_output,
+    new_manifest,
+    read_manifest,
+    sigterm_raises,
+    staged_entry,
+    write_manifest,
+)
 
 FORMATS = ("compressed-tensors", "msmodelslim")
 DEVICES = ("cpu", "cuda", "npu")
@@ -44,6 +52,7 @@ class ConvertOptions:
     eval_text: Path | None = None
     max_shard_bytes: int = 1 << 30  # pending output is held in memory up to this size
     progress: bool = True
+    overwrite: bool = False  # replace an existing entry at `out` (atomically; never the source)
 
     def __post_init__(self) -> None:
         if not self.recipes:
@@ -106,15 +115,27 @@ def _source_manifest(model_dir: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def default_output(model_dir: Path, recipe_names: list[str], fmt: str) -> Path:
+    """`zoo/NAME-RECIPES-FORMAT`: two recipes or two formats of one model never share a folder."""
+    return zoo_root() / f"{model_dir.name}-{'+'.join(recipe_names)}-{fmt}"
+
+
 def convert(options: ConvertOptions) -> Path:
-    """Convert and write the entry; returns its folder."""
+    """Convert and write the entry; returns its folder. SIGTERM (like Ctrl-C) removes the staging folder."""
+    with sigterm_raises():
+        return _convert(options)
+
+
+def _convert(options: ConvertOptions) -> Path:
     start = time.perf_counter()
     check_library_version()
     model_dir = resolve_model_dir(options.model)
+    recipe = load_recipes(list(options.recipes))
+    target = Path(options.out) if options.out else default_output(model_dir, recipe.names, options.format)
+    check_output(target, [model_dir], options.overwrite)
     device = check_device(options.device)
     arch = load_architecture(model_dir)
     reader = CheckpointReader(model_dir)
-    recipe = load_recipes(list(options.recipes))
     _check_format(options.format, recipe)
     tokenizer = _tokenizer(model_dir)
     calib = load_calibration(options.calib, tokenizer, options.num_samples, options.seq_len)
@@ -125,8 +146,6 @@ def convert(options: ConvertOptions) -> Path:
         from ascq.evaluate import load_eval_token_ids
 
         eval_ids = load_eval_token_ids(tokenizer, eval_path)
-    name = f"{model_dir.name}-{'+'.join(recipe.names)}"
-    target = Path(options.out) if options.out else zoo_root() / name
     with staged_entry(target) as staging:
         writer = _writer(options, staging, reader, arch.config)
         result = stream_convert(
@@ -140,45 +159,56 @@ def convert(options: ConvertOptions) -> Path:
         for file in COPIED_FILES:
             if (model_dir / file).is_file():
                 shutil.copy2(model_dir / file, staging / file)
-        metrics: dict[str, Any] = {}
-        if result.perplexity is not None:
-            from ascq.evaluate import unigram_perplexity
-
-            metrics = {
-                "perplexity": result.perplexity,
-                "perplexity_base": result.perplexity_base,
-                "unigram_perplexity": unigram_perplexity(calib.input_ids, eval_ids, int(arch.config["vocab_size"])),
-                "eval_text": str(eval_path),
-                "num_eval_tokens": int(eval_ids.numel()),
-            }
-        import transformers
-
-        manifest = new_manifest(
-            target.name,
-            source={"model": options.model, "revision": None},
-            base_model=(source or {}).get("base_model") or (source or {}).get("name") or options.model,
-            license=(source or {}).get("license"),
-            format=options.format,
-            scheme=result.scheme,
-            recipe={"names": recipe.names, "text": "\n---\n".join(r.text.strip() + "\n" for r in recipe.recipes)},
-            calibration={"dataset": calib.dataset, "num_samples": calib.num_samples, "seq_len": calib.seq_len},
-            metrics=metrics,
-            conversion={
-                "seconds": round(time.perf_counter() - start, 2),
-                "peak_rss_bytes": peak_rss_bytes(),
-                "device": device,
-                "num_layers": arch.num_layers,
-                "num_quantized_linears": result.num_quantized_linears,
-                "source_bytes": reader.num_bytes,
-                "group_size_fallbacks": result.fallbacks,
-                "modifiers": [{"name": m.name, **m.summary()} for m in recipe.modifiers],
-                "layers": result.layers,
-                "compressed_tensors_version": compressed_tensors.__version__,
-                "transformers_version": transformers.__version__,
-            },
-        )
-        write_manifest(staging, manifest)
+        metrics = _metrics(result, calib, eval_ids, eval_path, int(arch.config["vocab_size"]))
+        conversion = {"seconds": round(time.perf_counter() - start, 2), "peak_rss_bytes": peak_rss_bytes(),
+                      "device": device, "num_layers": arch.num_layers, "source_bytes": reader.num_bytes}
+        write_manifest(staging, build_manifest(target.name, options, model_dir, source, recipe, calib, result, metrics, conversion))
     return target
+
+
+def _metrics(result: StreamResult, calib: CalibrationSet, eval_ids: torch.Tensor | None, eval_path: Path | None,
+             vocab_size: int) -> dict[str, Any]:
+    if result.perplexity is None:
+        return {}
+    from ascq.evaluate import unigram_perplexity
+
+    return {
+        "perplexity": result.perplexity,
+        "perplexity_base": result.perplexity_base,
+        "unigram_perplexity": unigram_perplexity(calib.input_ids, eval_ids, vocab_size),
+        "eval_text": portable_name(eval_path),
+        "num_eval_tokens": int(eval_ids.numel()),
+    }
+
+
+def build_manifest(
+    name: str, options: ConvertOptions, model_dir: Path, source: dict[str, Any] | None, recipe: ComposedRecipe,
+    calib: CalibrationSet, result: StreamResult, metrics: dict[str, Any], conversion: dict[str, Any],
+) -> dict[str, Any]:
+    """The converted entry's `ascq.json` (files are hashed in by `write_manifest`); no absolute local paths."""
+    import transformers
+
+    model = (source or {}).get("name") if source else portable_name(options.model)
+    return new_manifest(
+        name,
+        source={"model": model or portable_name(model_dir), "revision": None},
+        base_model=(source or {}).get("base_model") or (source or {}).get("name") or model,
+        license=(source or {}).get("license"),
+        format=options.format,
+        scheme=result.scheme,
+        recipe={"names": recipe.names, "text": "\n---\n".join(r.text.strip() + "\n" for r in recipe.recipes)},
+        calibration={"dataset": calib.dataset, "num_samples": calib.num_samples, "seq_len": calib.seq_len},
+        metrics=metrics,
+        conversion={
+            **conversion,
+            "num_quantized_linears": result.num_quantized_linears,
+            "group_size_fallbacks": result.fallbacks,
+            "modifiers": [{"name": m.name, **m.summary()} for m in recipe.modifiers],
+            "layers": result.layers,
+            "compressed_tensors_version": compressed_tensors.__version__,
+            "transformers_version": transformers.__version__,
+        },
+    )
 
 
 def _writer(options: ConvertOptions, staging: Path, reader: CheckpointReader, config: dict) -> ShardWriter:

@@ -62,15 +62,18 @@ class LLMEngine:
         self.vocab_size = int(config["vocab_size"])
         torch.manual_seed(args.seed)
         args.check_quantization(config)
-        free_before_load = args.available_memory()
-        self.model, self.quant_config = load_model(args.model, args.device, self.dtype, config)
         self.kv_cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
-        self.block_bytes = bytes_per_block(self.model, args.block_size, self.kv_cache_dtype)
-        num_blocks = num_blocks_for(args.resolve_kv_cache_memory(free_before_load, module_bytes(self.model)), self.block_bytes, args.num_gpu_blocks_override)
-        allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
+        if args.world_size > 1:  # ranks in their own processes; this one is rank 0 (runtime/distributed)
+            num_blocks = self._init_distributed(args, config)
+        else:
+            free_before_load = args.available_memory()
+            self.model, self.quant_config = load_model(args.model, args.device, self.dtype, config)
+            self.block_bytes = bytes_per_block(self.model, args.block_size, self.kv_cache_dtype)
+            num_blocks = num_blocks_for(args.resolve_kv_cache_memory(free_before_load, module_bytes(self.model)), self.block_bytes, args.num_gpu_blocks_override)
+            allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
+            self.runner = ModelRunner(self.model, args.block_size, self.device)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, args.block_size, self.device)
         self.sampler = sampler or Sampler(args.seed, self.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}  # id(sequence) -> per prompt token
@@ -78,6 +81,25 @@ class LLMEngine:
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.pending_outputs: list[RequestOutput] = []
         self.num_generation_tokens = 0
+
+    def _init_distributed(self, args: EngineArgs, config: dict[str, Any]) -> int:
+        """Start the other ranks and load this rank's shard; KV blocks sized by the largest per-rank block."""
+        from ascq.runtime.distributed.executor import DistributedModelRunner, MultiprocExecutor
+
+        free_before_load = args.available_memory()
+
+        def num_blocks(block_bytes: int, model: torch.nn.Module) -> int | str:
+            try:
+                memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model))
+                return num_blocks_for(memory, block_bytes, args.num_gpu_blocks_override)
+            except AscqError as exc:
+                return str(exc)
+
+        executor = MultiprocExecutor(args, config, self.dtype, num_blocks)
+        rank = executor.rank
+        self.model, self.quant_config, self.block_bytes = rank.model, rank.quant_config, rank.block_bytes
+        self.runner = DistributedModelRunner(executor, args.block_size)
+        return rank.num_blocks
 
     # ---- requests ----------------------------------------------------------------------------------------
 
@@ -244,6 +266,12 @@ class LLMEngine:
             self.detokenizers.pop(id(sequence), None)
             self.structured.remove(id(sequence))
             self.prompt_logprobs.pop(id(sequence), None)
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (none in a single process)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ---- stats -------------------------------------------------------------------------------------------
 

@@ -7,12 +7,16 @@ An entry is written into a staging folder beside its target and renamed into pla
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as dt
 import hashlib
 import json
+import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,7 @@ from typing import Any
 from ascq.errors import AscqError
 from ascq.paths import zoo_root
 
+log = logging.getLogger(__name__)
 MANIFEST_NAME = "ascq.json"
 MANIFEST_VERSION = 1
 _CHUNK = 1 << 20
@@ -125,9 +130,57 @@ def resolve_entry(name_or_path: str | os.PathLike) -> Path:
     raise AscqError(f"no zoo entry '{name_or_path}': not a folder, and not in the zoo at {zoo_root()}")
 
 
+STAGING_TAGS = ("staging", "old")  # `.NAME.staging-PID-xxxx` (being written), `.NAME.old-PID-xxxx` (being replaced)
+
+
+def check_output(target: Path, sources: list[Path], overwrite: bool) -> None:
+    """Refuse an output folder that would destroy a user's data, before any work is done.
+
+    Never a source folder, one that contains a source or one inside a source (even with --overwrite); an existing
+    path only with --overwrite, and then only a zoo entry (a folder with ascq.json) or an empty folder.
+    """
+    resolved = Path(target).resolve()
+    for source in sources:
+        source = Path(source).resolve()
+        if resolved == source or resolved in source.parents:
+            raise AscqError(f"--out {target} is the source model folder or contains it; choose another folder")
+        if source in resolved.parents:
+            raise AscqError(f"--out {target} is inside the source model folder {source.name}; choose another folder")
+    if not os.path.lexists(target):
+        return
+    if not overwrite:
+        raise AscqError(f"{target} already exists; pass --overwrite to replace it")
+    if not Path(target).is_dir() or Path(target).is_symlink():
+        raise AscqError(f"{target} exists and is not a folder; refusing to replace it")
+    if not (Path(target) / MANIFEST_NAME).is_file() and any(Path(target).iterdir()):
+        raise AscqError(f"{target} is not a zoo entry (no {MANIFEST_NAME}); refusing to replace it, even with --overwrite")
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while an entry was being written (exit status 143 after cleanup)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into `Terminated` inside the block (main thread only), so that cleanup code runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a staging folder beside `target`; on success it replaces `target` by rename, on error it is deleted.
+    """Yield a staging folder beside `target`; on success it replaces `target` atomically, on error (Ctrl-C and
+    SIGTERM included) it is deleted. A staging folder that a killed process left behind is removed first.
 
     The caller writes every file, then calls `write_manifest` on the staging folder, inside the block.
     """
@@ -136,19 +189,53 @@ def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
         raise AscqError(f"{target} already exists; pass --overwrite to replace it")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
+        remove_stale_staging(target.parent, target.name)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-{os.getpid()}-", dir=target.parent))
         os.chmod(staging, 0o777 & ~_current_umask())  # mkdtemp makes 0700; an entry gets normal folder permissions
     except OSError as exc:
         raise AscqError(f"cannot write to {target.parent}: {exc.strerror or exc}") from None
     try:
-        yield staging
-        if not (staging / MANIFEST_NAME).is_file():
-            raise AssertionError("staged_entry: write_manifest was not called before the block ended")
-        _normal_permissions(staging)
-        _replace_dir(staging, target)
+        with sigterm_raises():
+            yield staging
+            if not (staging / MANIFEST_NAME).is_file():
+                raise AssertionError("staged_entry: write_manifest was not called before the block ended")
+            _normal_permissions(staging)
+            _replace_dir(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def stale_staging(folder: Path, name: str | None = None) -> list[Path]:
+    """Staging / replaced-entry folders in `folder` (for entry `name`, or any) whose writing process is gone."""
+    found = []
+    for tag in STAGING_TAGS:
+        for path in sorted(Path(folder).glob(f".{name or '*'}.{tag}-*")):
+            pid = path.name.rsplit(f".{tag}-", 1)[1].split("-", 1)[0]
+            if path.is_dir() and not (pid.isdigit() and _alive(int(pid))):
+                found.append(path)
+    return found
+
+
+def remove_stale_staging(folder: Path, name: str | None = None) -> list[Path]:
+    """Delete what `stale_staging` finds, naming each on stderr; returns them."""
+    removed = stale_staging(folder, name)
+    for path in removed:
+        log.warning("removing %s, left by an interrupted write", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _current_umask() -> int:
@@ -165,10 +252,26 @@ def _normal_permissions(folder: Path) -> None:
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
-    if not target.exists():
+    """Rename `staging` to `target`; an existing `target` is swapped out in one atomic exchange where the kernel
+    offers it (Linux renameat2), else by two renames (the old entry stays intact until the new one is in place)."""
+    if not os.path.lexists(target):
         os.rename(staging, target)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    if _exchange(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)  # now holds the old entry
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
     os.rename(target, old / target.name)
     os.rename(staging, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
