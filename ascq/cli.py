@@ -25,6 +25,22 @@ app = typer.Typer(
 zoo_app = typer.Typer(help="List, inspect, verify, document and pull zoo entries.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks: offline latency / throughput, or a running server.", no_args_is_help=True)
 app.add_typer(zoo_app, name="zoo")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from ascq import __version__
+
+        typer.echo(f"ascq {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Quantize Hugging Face LLM checkpoints into a model zoo and serve them (Ascend NPU, CUDA, CPU)."""
 app.add_typer(bench_app, name="bench")
 
 
@@ -166,9 +182,11 @@ def convert(
 @app.command("recipes")
 def recipes() -> None:
     """List the shipped recipes with their descriptions."""
-    from ascq.quantize.recipe import list_recipes
+    from ascq.paths import recipe_descriptions
 
-    rows = list_recipes()
+    rows = recipe_descriptions()
+    if not rows:
+        raise AscqError("no recipes found: the installation is missing ascq/recipes/*.yaml")
     width = max(len(name) for name, _ in rows)
     for name, description in rows:
         typer.echo(f"{name.ljust(width)}  {description}")
