@@ -192,6 +192,26 @@ def recipes() -> None:
         typer.echo(f"{name.ljust(width)}  {description}")
 
 
+# ---- distributed options (vLLM's flag names), shared by generate and serve -------------------------------
+
+TensorParallelSize = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="Tensor-parallel ranks.")]
+PipelineParallelSize = Annotated[int, typer.Option("--pipeline-parallel-size", "-pp", help="Pipeline stages.")]
+EnableExpertParallel = Annotated[bool, typer.Option(
+    help="Split routed experts over the tensor-parallel ranks instead of sharding each expert.")]
+NumNodes = Annotated[int, typer.Option(help="Nodes the ranks are spread over (equal shares).")]
+NodeRank = Annotated[int, typer.Option(help="This node's index; node 0 runs the engine, others only ranks.")]
+MasterAddr = Annotated[str, typer.Option(help="Node 0's address for the rendezvous.")]
+MasterPort = Annotated[int | None, typer.Option(help="Rendezvous port on node 0 (default: a free one, one node).")]
+
+
+def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int, enable_expert_parallel: bool,
+                  nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+                  master_port: int | None = None) -> dict:
+    return {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+            "enable_expert_parallel": enable_expert_parallel, "nnodes": nnodes, "node_rank": node_rank,
+            "master_addr": master_addr, "master_port": master_port}
+
+
 # ---- generate --------------------------------------------------------------------------------------------
 
 
@@ -217,7 +237,13 @@ def generate(
     enforce_eager: Annotated[bool, typer.Option(help="Accepted for vLLM compatibility.")] = True,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
     quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
-    tensor_parallel_size: Annotated[int, typer.Option(help="Devices per model (1).")] = 1,
+    tensor_parallel_size: TensorParallelSize = 1,
+    pipeline_parallel_size: PipelineParallelSize = 1,
+    enable_expert_parallel: EnableExpertParallel = False,
+    speculative_config: Annotated[str | None, typer.Option(
+        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+             '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
 ) -> None:
     """Generate text for one or more prompts offline and print it."""
     from ascq.runtime.llm import LLM
@@ -232,11 +258,13 @@ def generate(
                   max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                   enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-                  tensor_parallel_size=tensor_parallel_size)
-        if chat:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
-        else:
-            outputs = llm.generate(list(prompt), params)
+                  **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel),
+                  speculative_config=speculative_config)
+        with llm:
+            if chat:
+                outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
+            else:
+                outputs = llm.generate(list(prompt), params)
     except ValueError as exc:
         raise AscqError(str(exc)) from exc
     for output in outputs:
@@ -271,17 +299,31 @@ def serve(
     enforce_eager: Annotated[bool, typer.Option(help="Accepted for vLLM compatibility.")] = True,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
     quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
-    tensor_parallel_size: Annotated[int, typer.Option(help="Devices per model (1).")] = 1,
     enable_auto_tool_choice: Annotated[bool, typer.Option(
         help="Let the model decide to call tools (tool_choice auto); needs --tool-call-parser.")] = False,
     tool_call_parser: Annotated[str | None, typer.Option(help="Tool-call format of the model's output: hermes.")] = None,
+    tensor_parallel_size: TensorParallelSize = 1,
+    pipeline_parallel_size: PipelineParallelSize = 1,
+    enable_expert_parallel: EnableExpertParallel = False,
+    nnodes: NumNodes = 1,
+    node_rank: NodeRank = 0,
+    master_addr: MasterAddr = "127.0.0.1",
+    master_port: MasterPort = None,
+    speculative_config: Annotated[str | None, typer.Option(
+        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+             '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
 ) -> None:
-    """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
+
+    With --nnodes N, run the same command on every node with its --node-rank; node 0 serves."""
     import os
 
+    from ascq.runtime.distributed.rendezvous import is_headless
     from ascq.runtime.server.listen import bind_socket
 
-    sock = bind_socket(host, port)  # before torch and the model load: a busy port fails at once
+    headless = is_headless(node_rank)  # a node that only runs ranks, until node 0's engine stops them
+    sock = None if headless else bind_socket(host, port)  # before torch and the model load: a busy port fails at once
 
     from ascq.runtime.server.api_server import ServeOptions
 
@@ -301,8 +343,14 @@ def serve(
                              seed=seed, served_model_name=served_model_name,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                              enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-                             tensor_parallel_size=tensor_parallel_size,
-                             performance_mode=performance_mode)
+                             performance_mode=performance_mode, speculative_config=speculative_config,
+                             **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel,
+                                             nnodes, node_rank, master_addr, master_port))
+    if headless:
+        from ascq.runtime.distributed.executor import run_node
+
+        run_node(engine_args)
+        return
     run_server(engine_args, options, sock)
     # drained and shut down: skip the interpreter's module teardown (seconds with torch loaded), so that
     # SIGTERM -> exit stays within the drain bound

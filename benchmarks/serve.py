@@ -1,5 +1,6 @@
 """Serving benchmark: `ascq bench serve` against `ascq serve MODEL`, and the offline engine (`LLM.generate`) on the
-same requests in the same run, so the ratio is what the HTTP layer (async engine thread, SSE, JSON) costs.
+same requests in the same run (alternating rounds), so the ratio is what serving (the engine-core process, its
+pipe, SSE, JSON) costs.
 
     python benchmarks/serve.py --model zoo/tiny-llama --num-prompts 128 --input-len 128 --output-len 64 \\
         --max-concurrency 32
@@ -12,6 +13,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,10 +40,9 @@ def start_server(model: str, port: int, max_num_seqs: int, log: Path) -> subproc
     raise SystemExit(f"server did not start:\n{log.read_text()[-2000:]}")
 
 
-def offline_output_throughput(model: str, options: BenchServeOptions, max_num_seqs: int) -> float:
-    from ascq import LLM, SamplingParams
+def offline_output_throughput(llm, options: BenchServeOptions) -> float:
+    from ascq import SamplingParams
 
-    llm = LLM(model, max_num_seqs=max_num_seqs, kv_cache_memory=256 << 20)
     prompts = random_prompts(options.num_prompts, options.input_len, random.Random(options.seed))
     params = SamplingParams(temperature=0.0, max_tokens=options.output_len, ignore_eos=True)
     llm.generate(prompts[:2], params)  # warm-up, like the server's first requests
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--request-rate", type=float, default=float("inf"))
+    parser.add_argument("--rounds", type=int, default=3, help="served / offline pairs, alternating")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,18 +70,29 @@ def main() -> None:
                                 input_len=args.input_len, output_len=args.output_len)
     log = Path(tempfile.mkdtemp()) / "server.log"
     server = start_server(args.model, port, args.max_concurrency, log)
+    from ascq import LLM
+
+    llm = LLM(args.model, max_num_seqs=args.max_concurrency, kv_cache_memory=256 << 20)
+    ratios, offline_runs = [], []
     try:
         run_bench_serve(BenchServeOptions(**{**vars(options), "num_prompts": 2}))  # warm-up
-        metrics = run_bench_serve(options)
+        for _ in range(args.rounds):  # alternating, so machine load affects both sides alike
+            metrics = run_bench_serve(options)
+            offline = offline_output_throughput(llm, options)
+            offline_runs.append(offline)
+            ratios.append(metrics["output_throughput"] / offline)
+            print(f"round {len(ratios)}: served {metrics['output_throughput']:.1f} tok/s, offline {offline:.1f} tok/s, "
+                  f"ratio {ratios[-1]:.2f}", flush=True)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
-    offline = offline_output_throughput(args.model, options, args.max_concurrency)
     print(format_report(metrics, options))
     print(f"{'Offline LLM.generate (tok/s):':<34}{offline:>12.2f}")
     print(f"{'Served / offline output tok/s:':<34}{metrics['output_throughput'] / offline:>12.2f}")
+    if args.rounds > 1:
+        print(f"rounds: {args.rounds}; served/offline min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
+              f"offline tok/s median {statistics.median(offline_runs):.1f}")
     print(f"(cpu threads: {os.environ.get('OMP_NUM_THREADS', 'default')}; server log: {log})")
-
 
 if __name__ == "__main__":
     main()

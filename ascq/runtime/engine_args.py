@@ -46,6 +46,7 @@ class EngineArgs:
     seed: int = 0
     tokenizer: str | Path | None = None
     served_model_name: str | None = None
+    speculative_config: Any = None  # vLLM's dict (or its JSON text); validated into a SpeculativeConfig
     performance_mode: str | None = None  # latency | throughput (PERFORMANCE_MODES), None: the knobs as given
     # vLLM's names: accepted with their meaning, or rejected with a reason (see check_vllm_args)
     gpu_memory_utilization: float | None = None  # share of free memory (RAM / HBM) for weights + KV cache
@@ -54,8 +55,21 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     swap_space: float = 0
     cpu_offload_gb: float = 0
+    # distributed (vLLM's names): ranks = tensor x pipeline; nodes share them equally (see runtime/distributed)
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
+        from ascq.runtime.spec_decode.config import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None and self.world_size > 1:
+            raise UnsupportedError("speculative_config runs on one rank only (tensor/pipeline parallel size 1)")
+        self._check_parallel()
         self.model = Path(self.model)
         self._apply_performance_mode()
         if not (self.model / "config.json").is_file():
@@ -84,8 +98,6 @@ class EngineArgs:
             raise AscqError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.trust_remote_code:
             raise UnsupportedError("trust_remote_code=True is not supported: ascq runs only its own model code")
-        if self.tensor_parallel_size != 1:  # the multi-device executor plugs in here
-            raise UnsupportedError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported; supported: 1")
         if self.swap_space:
             raise UnsupportedError("swap_space (CPU swap of preempted KV blocks) is not supported; preempted requests "
                                    "are recomputed (use swap_space=0)")
@@ -115,6 +127,29 @@ class EngineArgs:
         for name, value in PERFORMANCE_MODES[self.performance_mode].items():
             if getattr(self, name) == defaults[name]:
                 setattr(self, name, value)
+
+    def _check_parallel(self) -> None:
+        sizes = {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
+                 "nnodes": self.nnodes}
+        for name, value in sizes.items():
+            if value < 1:
+                raise AscqError(f"{name} must be positive, got {value}")
+        if self.world_size % self.nnodes:
+            raise AscqError(f"{self.world_size} ranks (tensor x pipeline parallel) cannot be split evenly over "
+                            f"{self.nnodes} nodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise AscqError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise AscqError("several nodes need --master-port (and --master-addr: node 0's address)")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise AscqError(f"master_port must be in [1, 65535], got {self.master_port}")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise AscqError("enable_expert_parallel splits experts over the tensor-parallel ranks: "
+                            "set tensor_parallel_size > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def torch_device(self) -> torch.device:

@@ -66,6 +66,16 @@ class LLM:
         self.engine = LLMEngine(engine_args_from_kwargs(model, engine_args), tokenizer=tokenizer_obj)
         self.num_requests = 0
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a multi-rank engine (tensor / pipeline parallel); no-op otherwise."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

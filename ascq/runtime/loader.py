@@ -10,7 +10,7 @@ weight loaders.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +106,13 @@ def iter_checkpoint(model_dir: Path, quant: QuantConfig | None) -> Iterator[tupl
 
 
 def load_model(
-    model_dir: Path, device: str, dtype: torch.dtype, config: dict[str, Any] | None = None
+    model_dir: Path, device: str, dtype: torch.dtype, config: dict[str, Any] | None = None,
+    prepare: Callable[[torch.nn.Module], Callable[[str], bool]] | None = None,
 ) -> tuple[torch.nn.Module, QuantConfig | None]:
-    """Build the model on the meta device, stream the checkpoint into it, prepare the kernels' weights."""
+    """Build the model on the meta device, stream the checkpoint into it, prepare the kernels' weights.
+
+    `prepare(meta_model) -> keep(name)`: a pipeline stage drops the modules other stages own and loads only the
+    tensors `keep` accepts."""
     config = config or read_config(model_dir)
     raw_quant = config.get("quantization_config") or config.get("compression_config")
     quant = QuantConfig(raw_quant) if raw_quant else None
@@ -116,7 +120,8 @@ def load_model(
     torch_device = backend_torch_device(device)
     with torch.device("meta"):
         model = model_class_for(config)(config)
-    weights = ((name, t.to(torch_device)) for name, t in iter_checkpoint(model_dir, quant))
+    keep = prepare(model) if prepare is not None else (lambda name: True)
+    weights = ((name, t.to(torch_device)) for name, t in iter_checkpoint(model_dir, quant) if keep(name))
     model.load_weights(weights, scheme_for)
     finalize_model(model, get_backend(device), dtype, torch_device)
     return model.eval(), quant

@@ -12,13 +12,15 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ascq.errors import AscqError
 from ascq.kernels import QuantLinearWeights, merge_output_dim
-from ascq.runtime.parallel import all_reduce, divide, tp_rank, tp_world_size
+from ascq.runtime.parallel import all_reduce, divide, kv_heads_per_rank, shard_tensor, tp_rank, tp_world_size
 
 ACTIVATION_PARAMS = ("input_scale", "input_zero_point")
+DYNAMIC_ACTIVATION_SCHEMES = ("w8a8_dynamic", "w4a8_dynamic")
 
 
 def build_quant_weights(params: dict[str, torch.Tensor], scheme: str) -> QuantLinearWeights:
@@ -64,18 +66,7 @@ class LinearBase(nn.Module):
         self.schemes[shard_id] = scheme
 
     def shard_tensor(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
-        world = tp_world_size()
-        if world == 1 or self.tp_dim is None or param_name in ACTIVATION_PARAMS:
-            return tensor
-        if self.tp_dim == 0:
-            size = divide(tensor.shape[0], world)
-            return tensor.narrow(0, tp_rank() * size, size)
-        if param_name == "bias":  # added once, after the all-reduce
-            return tensor if tp_rank() == 0 else torch.zeros_like(tensor)
-        if tensor.dim() < 2 or tensor.shape[1] == 1:  # per-channel scale/zero: every rank keeps all rows
-            return tensor
-        size = divide(tensor.shape[1], world)
-        return tensor.narrow(1, tp_rank() * size, size)
+        return shard_tensor(tensor, param_name, self.tp_dim, self.input_size * tp_world_size())
 
     def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
         missing = [str(k) for k, params in self.pending.items() if "weight" not in params]
@@ -112,20 +103,54 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q_proj, k_proj and v_proj as one matmul; shards "q", "k", "v"."""
+    """q_proj, k_proj and v_proj as one matmul; shards "q", "k", "v". With more ranks than KV heads each rank
+    holds the one KV head its query heads use (replicated across tp_size / num_kv_heads ranks)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
-        sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
-        super().__init__(hidden_size, sizes, bias)
+        world = tp_world_size()
+        kv_size = kv_heads_per_rank(num_kv_heads, world) * head_dim
+        sizes = {"q": divide(num_heads * head_dim, world), "k": kv_size, "v": kv_size}
+        LinearBase.__init__(self, hidden_size, sizes, bias)
+        self.head_dim = head_dim
+        self.kv_replicas = max(1, world // num_kv_heads)
+
+    def weight_loader(self, param_name: str, tensor: torch.Tensor, shard_id: str | int = 0, scheme: str = "dense") -> None:
+        if shard_id in ("k", "v") and self.kv_replicas > 1 and param_name not in ACTIVATION_PARAMS:
+            start = tp_rank() // self.kv_replicas * self.head_dim
+            self.pending[shard_id][param_name] = tensor.narrow(0, start, self.head_dim)
+            self.schemes[shard_id] = scheme
+            return
+        super().weight_loader(param_name, tensor, shard_id, scheme)
 
 
 class RowParallelLinear(LinearBase):
+    """Input split across ranks, partial outputs all-reduced.
+
+    Dynamic per-token activation scales (W8A8 / W4A8 dynamic, per channel) must come from the whole row, as at
+    TP=1, not from this rank's slice: the row's absmax is all-reduced (max) and rides into the kernel as one
+    extra input column whose weights are zero, so the kernel's own per-token absmax is the global one.
+    """
+
     tp_dim = 1
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         self.tp_size = tp_world_size()
         super().__init__(divide(input_size, self.tp_size), {0: output_size}, bias)
+        self.global_token_scale = False
+
+    def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
+        params = self.pending.get(0, {})
+        scale = params.get("weight_scale")
+        if (self.tp_size > 1 and self.schemes.get(0) in DYNAMIC_ACTIVATION_SCHEMES and scale is not None
+                and scale.reshape(scale.shape[0], -1).shape[1] == 1):
+            weight = params["weight"]
+            params["weight"] = torch.cat([weight, weight.new_zeros(weight.shape[0], 1)], dim=1)
+            self.global_token_scale = True
+        super().finalize(backend, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.global_token_scale:
+            absmax = all_reduce(x.abs().amax(dim=-1, keepdim=True), op=dist.ReduceOp.MAX)
+            x = torch.cat([x, absmax], dim=-1)
         y = self.backend.linear(x, self.prepared)
         return all_reduce(y) if self.tp_size > 1 else y

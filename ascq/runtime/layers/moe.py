@@ -1,7 +1,11 @@
-"""Routed experts: softmax top-k router + the backend's expert kernel; experts are assigned to ranks.
+"""Routed experts: softmax top-k router + the backend's expert kernel, over the tensor-parallel group.
 
-Expert e lives on rank e * world // num_experts (contiguous ranges, as vLLM's expert parallelism). Tokens routed to
-another rank's experts get weight 0 here and their contribution arrives through the all-reduce.
+Expert parallelism (`enable_expert_parallel`): expert e lives on rank e // (num_experts / world) (contiguous
+ranges, as vLLM's). Activations are already replicated across the TP group, so dispatch needs no all-to-all:
+every rank runs its own experts on the tokens routed to them (tokens routed elsewhere get weight 0 here) and one
+all-reduce combines the ranks' partial sums (all-gather + reduce-scatter degenerates to this when every rank
+holds every token; an all-to-all pays off only with data-parallel attention, which ascq does not have).
+Without it, every rank holds every expert, tensor-parallel: gate/up split by output, down by input, all-reduced.
 """
 
 from __future__ import annotations
@@ -13,20 +17,24 @@ from torch import nn
 
 from ascq.errors import AscqError
 from ascq.runtime.layers.linear import build_quant_weights
-from ascq.runtime.parallel import all_reduce, divide, tp_rank, tp_world_size
+from ascq.runtime.parallel import all_reduce, divide, expert_parallel, shard_tensor, tp_rank, tp_world_size
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, top_k: int, renormalize: bool) -> None:
+    def __init__(self, num_experts: int, top_k: int, renormalize: bool, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp_size = tp_world_size()
-        self.num_local_experts = divide(num_experts, self.tp_size)
-        self.first_expert = tp_rank() * self.num_local_experts
+        self.expert_parallel = expert_parallel()
+        self.intermediate_size = intermediate_size  # down_proj's input: needed to split its group scales
+        if self.tp_size > 1 and not self.expert_parallel and intermediate_size is None:
+            raise AscqError("tensor-parallel experts need the expert intermediate size")
+        self.num_local_experts = divide(num_experts, self.tp_size) if self.expert_parallel else num_experts
+        self.first_expert = tp_rank() * self.num_local_experts if self.expert_parallel else 0
         self.pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self.schemes: dict[tuple[int, str], str] = {}
         self.prepared = None
@@ -39,6 +47,9 @@ class FusedMoE(nn.Module):
         if projection not in PROJECTIONS or not 0 <= expert_id < self.num_experts:
             raise AscqError(f"unexpected expert weight: expert {expert_id} {projection}")
         if self.is_local(expert_id):
+            if self.tp_size > 1 and not self.expert_parallel:
+                tp_dim = 1 if projection == "down_proj" else 0
+                tensor = shard_tensor(tensor, param_name, tp_dim, self.intermediate_size)
             self.pending.setdefault((expert_id, projection), {})[param_name] = tensor
             self.schemes[(expert_id, projection)] = scheme
 
@@ -56,8 +67,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.backend.select_experts(router_logits, self.top_k, self.renormalize)
-        if self.tp_size == 1:
-            return self.backend.moe_experts(x, topk_weights, topk_ids, self.prepared)
+        if not self.expert_parallel:
+            return all_reduce(self.backend.moe_experts(x, topk_weights, topk_ids, self.prepared))
         local_ids = topk_ids - self.first_expert
         mine = (local_ids >= 0) & (local_ids < self.num_local_experts)
         topk_weights, topk_ids = topk_weights * mine, local_ids.clamp(0, self.num_local_experts - 1)

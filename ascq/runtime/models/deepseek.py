@@ -20,7 +20,8 @@ class DeepseekMoEBlock(nn.Module):
     def __init__(self, config: DeepseekConfig) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.n_routed_experts)
-        self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.norm_topk_prob)
+        self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.norm_topk_prob,
+                                config.moe_intermediate_size)
         self.shared_experts = None
         if config.n_shared_experts:
             intermediate = config.moe_intermediate_size * config.n_shared_experts

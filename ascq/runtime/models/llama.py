@@ -16,7 +16,7 @@ from ascq.runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLi
 from ascq.runtime.layers.rmsnorm import RMSNorm
 from ascq.runtime.layers.rotary import RotaryEmbedding
 from ascq.runtime.models.weights import load_named_weights
-from ascq.runtime.parallel import divide, tp_world_size
+from ascq.runtime.parallel import divide, kv_heads_per_rank, tp_world_size
 
 
 def head_dim_of(config: dict[str, Any]) -> int:
@@ -31,7 +31,7 @@ class LlamaAttention(nn.Module):
         num_kv_heads = config.get("num_key_value_heads") or num_heads
         self.head_dim = head_dim_of(config)
         self.num_heads = divide(num_heads, world)
-        self.num_kv_heads = divide(num_kv_heads, world)
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, world)
         hidden = config["hidden_size"]
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=bool(config.get("attention_bias")))

@@ -6,11 +6,16 @@ becomes OpenAI's error JSON with a 4xx, never a 500. Engine work goes through `A
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hmac
 import json
 import logging
+import os
 import signal
 import socket
+import sys
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -25,7 +30,7 @@ from starlette.requests import ClientDisconnect
 
 import ascq
 from ascq.errors import AscqError
-from ascq.runtime.server.async_engine import AsyncEngine
+from ascq.runtime.server.async_engine import ENGINE_DEAD_MESSAGE, AsyncEngine
 from ascq.runtime.server.chat_template import ChatPrompter
 from ascq.runtime.server.listen import bind_socket
 from ascq.runtime.server.protocol import (
@@ -55,6 +60,7 @@ def create_app(engine: AsyncEngine, tokenizer: Any, prompter: ChatPrompter, mode
     app = FastAPI(title="ascq", version=ascq.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     serving = OpenAIServing(engine, tokenizer, prompter, model_name, max_model_len, vocab_size, tool_options)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(EngineDeadMiddleware, engine=engine)
     app.add_exception_handler(APIError, _api_error_response)
     app.add_exception_handler(StarletteHTTPException, _http_error_response)
     app.add_exception_handler(Exception, _internal_error_response)
@@ -173,6 +179,21 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class EngineDeadMiddleware:
+    """Once the engine process died, every route answers 503 (OpenAI error JSON) until the server exits."""
+
+    def __init__(self, app: Any, engine: AsyncEngine) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.engine.loop is not None and not self.engine.is_alive:
+            error = APIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead")
+            await _api_error_response(None, error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def _api_error_response(_: Request | None, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.to_json(), status_code=exc.status)
 
@@ -190,6 +211,7 @@ def _internal_error_response(_: Request, exc: Exception) -> JSONResponse:
 
 DRAIN_TIMEOUT_S = 5.0  # SIGTERM: running requests may finish for this long, then they fail
 GRACEFUL_SHUTDOWN_S = DRAIN_TIMEOUT_S + 2.0
+ENGINE_DEAD_EXIT_S = 4.0  # engine process died: the server exits (code 1) within this, open connections or not
 # longer than clients' keep-alive (httpx, the openai client: 5 s), so a client never reuses a connection the
 # server is closing at the same moment (that race surfaces as a read error on a non-retryable POST)
 KEEP_ALIVE_S = 20
@@ -234,6 +256,13 @@ def check_kv_fits_one_sequence(engine: Any) -> None:
         f"--max-model-len {num_tokens} (or less)")
 
 
+def describe_engine(engine: Any, model_name: str, options: ServeOptions) -> dict[str, Any]:
+    """Runs in the engine process once the model is loaded: the startup check and what the server needs."""
+    check_kv_fits_one_sequence(engine)
+    return {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+            "startup_lines": startup_lines(engine, model_name, options)}
+
+
 def startup_lines(engine: Any, model_name: str, options: ServeOptions) -> list[str]:
     args, blocks = engine.args, engine.block_manager
     schemes = sorted({group[1] for group in engine.quant_config.groups}) if engine.quant_config else ["dense"]
@@ -265,13 +294,22 @@ class _Server(uvicorn.Server):
         self.engine.begin_drain(DRAIN_TIMEOUT_S)
         super().handle_exit(sig, frame)
 
+    def engine_died(self) -> None:
+        """Let the error events reach open streams, shut down; a timer bounds it if connections hang."""
+        self.exit_code = 1
+        self.engine.loop.call_later(0.5, setattr, self, "should_exit", True)
+        deadline = threading.Timer(ENGINE_DEAD_EXIT_S, os._exit, args=(1,))
+        deadline.daemon = True
+        deadline.start()
+
 
 def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | None = None) -> None:
-    """Load the model, serve until SIGTERM/SIGINT, drain, return (exit code 0). `sock`: the already bound
-    listening socket (bind_socket), else it is bound here, still before the model loads."""
+    """Start the engine process, serve until SIGTERM/SIGINT, drain, return (exit code 0); exit code 1 when the
+    engine process dies. `sock`: the already bound listening socket (bind_socket), else it is bound here, still
+    before the model loads."""
     from transformers import AutoTokenizer
 
-    from ascq.runtime.engine import LLMEngine
+    from ascq.runtime.engine_core import EngineCoreProcess
     from ascq.runtime.server.chat_template import load_chat_template
     from ascq.runtime.server.metrics import ServerMetrics
 
@@ -283,20 +321,32 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
         logger.setLevel(logging.INFO)
     template = load_chat_template(options.chat_template)
     model_name = options.served_model_name or engine_args.served_model_name or str(engine_args.model)
-    engine = LLMEngine(engine_args)
-    check_kv_fits_one_sequence(engine)
     options.port = sock.getsockname()[1]
-    for line in startup_lines(engine, model_name, options):
+    # the engine process checks the KV cache and describes itself (api_key: only whether there is one)
+    described = dataclasses.replace(options, api_key="set" if options.api_key else None)
+    core = EngineCoreProcess(engine_args, functools.partial(describe_engine, model_name=model_name, options=described))
+    for line in core.info["startup_lines"]:
         logger.info(line)
-    # the event loop's own tokenizer copy: HF fast tokenizers must not be shared across threads
+    # the event loop's own tokenizer copy
     tokenizer = AutoTokenizer.from_pretrained(str(engine_args.tokenizer or engine_args.model))
-    async_engine = AsyncEngine(engine, ServerMetrics(model_name))
-    app = create_app(async_engine, tokenizer, ChatPrompter(tokenizer, template), model_name, engine.max_model_len,
-                     engine.vocab_size, options.api_key, tool_options=options)
+    async_engine = AsyncEngine(core, ServerMetrics(model_name))
+    app = create_app(async_engine, tokenizer, ChatPrompter(tokenizer, template), model_name,
+                     core.info["max_model_len"], core.info["vocab_size"], options.api_key, tool_options=options)
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                                timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     # uvicorn re-raises the caught signal after its graceful shutdown; with these no-op handlers restored
     # first, a drained SIGTERM ends the process with exit code 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    _Server(uv_config, async_engine).run(sockets=[sock])
+    server = _Server(uv_config, async_engine)
+    server.exit_code = 0
+    async_engine.on_engine_dead = server.engine_died
+    try:
+        server.run(sockets=[sock])
+    finally:
+        core.shutdown()
+    if server.exit_code:  # the engine died: exit now (module teardown with torch loaded takes seconds)
+        logger.error("exiting with code %d: the engine process died", server.exit_code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(server.exit_code)

@@ -1,9 +1,10 @@
-"""Runs an `LLMEngine` in its own thread and lets asyncio code submit requests and stream their outputs.
+"""Lets asyncio code submit requests to the engine core process (engine_core.py) and stream their outputs.
 
-Every engine call happens on the engine thread (the engine is not thread-safe): the event loop sends commands
-through a queue and wakes the thread; the thread steps the engine and hands each request's outputs to that
-request's asyncio queue with `loop.call_soon_threadsafe`. Draining (SIGTERM) lets running requests finish until a
-deadline and then fails the rest, so shutdown time is bounded.
+The event loop owns all bookkeeping; two threads move pickled messages: a writer (so a full pipe never blocks the
+event loop) and a reader that hands each message to the loop with `call_soon_threadsafe`. Draining (SIGTERM)
+lets running requests finish until a deadline and then fails the rest, so shutdown time is bounded. If the engine
+process dies, every open request fails with a 503, new ones get 503, and `on_engine_dead` tells the server to
+exit non-zero (so a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -13,26 +14,26 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ascq.runtime.engine_core import DeltaDecoder, EngineCoreProcess
 from ascq.runtime.server.metrics import ServerMetrics
 from ascq.runtime.server.protocol import APIError
 
 logger = logging.getLogger("ascq.serve")
-IDLE_WAIT_S = 0.5
+ENGINE_DEAD_MESSAGE = "the engine process died; the server is restarting"
 
 
 @dataclass
 class _Tracked:
-    """Engine-thread bookkeeping for one request: where its outputs go and its latency clock."""
+    """Bookkeeping for one engine request: where its outputs go and its latency clock."""
 
     out: asyncio.Queue
     arrival: float
     last_token_time: float | None = None
     num_tokens: int = 0
-    done: bool = False
 
 
 @dataclass
@@ -73,28 +74,29 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, metrics: ServerMetrics) -> None:
-        self.engine = engine
+    def __init__(self, core: EngineCoreProcess, metrics: ServerMetrics,
+                 on_engine_dead: Callable[[], None] | None = None) -> None:
+        self.core = core
         self.metrics = metrics
+        self.on_engine_dead = on_engine_dead
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
+        self._admitting: dict[str, asyncio.Future] = {}
+        self._decoder = DeltaDecoder()
         self._stopping = False
+        self._dead = False
         self._drain_deadline: float | None = None
-        self._thread: threading.Thread | None = None
         self.num_step_errors = 0
-
-    # ---- event-loop side ---------------------------------------------------------------------------------
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="ascq-engine", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._read, name="ascq-engine-reader", daemon=True).start()
+        threading.Thread(target=self._write, name="ascq-engine-writer", daemon=True).start()
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return not self._dead and self.core.is_alive()
 
     @property
     def is_draining(self) -> bool:
@@ -104,15 +106,20 @@ class AsyncEngine:
         """Submit one engine request per prompt; raises ValueError (a prompt does not fit, bad params) or
         APIError (draining / engine dead). Abort the group (or iterate it to the end) when done."""
         if self.is_draining or not self.is_alive:
-            raise APIError(503, "the server is shutting down" if self.is_draining else "the engine is not running")
+            raise APIError(503, "the server is shutting down" if self.is_draining else ENGINE_DEAD_MESSAGE)
         group = RequestGroup(self)
         admitted = []
+        now = time.monotonic()
         for i, prompt in enumerate(prompts):
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             group.request_ids.append(sub_id)
             group.unfinished.add(sub_id)
+            self._tracked[sub_id] = _Tracked(group.out, arrival=now)
+            self._decoder.start(sub_id, prompt if isinstance(prompt, str) else None,
+                                [] if isinstance(prompt, str) else list(prompt), params.n)
             admitted.append(self.loop.create_future())
-            self._send(("add", sub_id, prompt, params, group.out, admitted[-1]))
+            self._admitting[sub_id] = admitted[-1]
+            self._outbox.put(("add", sub_id, prompt, params))
         try:
             await asyncio.wait(admitted)
             for future in admitted:
@@ -123,93 +130,79 @@ class AsyncEngine:
         return group
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        if self._tracked.pop(request_id, None) is None:
+            return
+        self._decoder.forget(request_id)
+        self._admitting.pop(request_id, None)
+        self.metrics.observe_finished("abort")
+        self._outbox.put(("abort", request_id))
 
     def begin_drain(self, timeout_s: float) -> None:
         """Stop accepting requests; running ones may finish within timeout_s, then they fail. Thread-safe."""
         if self._drain_deadline is None:
             self._drain_deadline = time.monotonic() + timeout_s
-            self._wake.set()
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self.loop.call_later, timeout_s, self._fail_all,
+                                               APIError(503, "the server shut down before this request finished"))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def _send(self, command: tuple) -> None:
-        self._commands.put(command)
-        self._wake.set()
-
-    # ---- engine thread -----------------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while not self._stopping:
-            try:
-                self._iterate()
-            except Exception:  # an engine bug must not kill the server: fail what was in flight, keep serving
-                logger.exception("engine step failed; failing the requests in flight")
-                self.num_step_errors += 1
-                self._fail_all(APIError(500, "internal engine error", code="engine_error"))
         self._fail_all(APIError(503, "the server shut down before this request finished"))
+        self._outbox.put(None)
+        self.core.shutdown(timeout_s)
 
-    def _iterate(self) -> None:
-        self._wake.clear()
-        self._apply_commands()
-        if self._drain_deadline is not None and time.monotonic() > self._drain_deadline and self._tracked:
-            self._fail_all(APIError(503, "the server shut down before this request finished"))
-        if not self.engine.has_unfinished_requests():
-            self._wake.wait(IDLE_WAIT_S)
-            return
-        self._dispatch(self.engine.step())
-        self.metrics.update_from_stats(self.engine.get_stats())
+    # ---- message threads ---------------------------------------------------------------------------------
 
-    def _apply_commands(self) -> None:
-        changed = False
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.core.send(message)
+            except (OSError, ValueError):  # the engine process is gone; the reader reports it
+                return
+
+    def _read(self) -> None:
         while True:
             try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
+                message = self.core.conn.recv()
+            except (EOFError, OSError):
                 break
-            changed = True
-            if command[0] == "add":
-                self._add(*command[1:])
-            elif command[1] in self._tracked:
-                self._tracked.pop(command[1])
-                self.engine.abort_request(command[1])
-                self.metrics.observe_finished("abort")
-        if changed:
-            self.metrics.update_from_stats(self.engine.get_stats())
+            self.loop.call_soon_threadsafe(self._handle, message)
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._engine_gone)
 
-    def _add(self, request_id: str, prompt: str | list[int], params: Any, out: asyncio.Queue,
-             accepted: asyncio.Future) -> None:
-        try:
-            self.engine.add_request(request_id, prompt, params)
-        except Exception as exc:  # ValueError: the request cannot be served (a 400); anything else is ours
-            if not isinstance(exc, ValueError):
-                logger.exception("engine.add_request failed")
-                exc = APIError(500, "internal engine error", code="engine_error")
-            self.loop.call_soon_threadsafe(_settle, accepted, exc)
-            return
-        self._tracked[request_id] = _Tracked(out, arrival=time.monotonic())
-        self.loop.call_soon_threadsafe(_settle, accepted, None)
+    # ---- event loop: messages from the core --------------------------------------------------------------
 
-    def _dispatch(self, outputs: list[Any]) -> None:
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            self._dispatch(message[1])
+            self.metrics.update_from_stats(message[2])
+        elif kind == "added":
+            request_id, error = message[1], message[2]
+            future = self._admitting.pop(request_id, None)
+            if error is not None:
+                self._tracked.pop(request_id, None)
+                self._decoder.forget(request_id)
+            if future is not None and not future.done():
+                future.set_result(None) if error is None else future.set_exception(ValueError(error))
+        elif kind == "step_error":
+            self.num_step_errors += 1
+            self._fail_all(APIError(500, "internal engine error", code="engine_error"))
+
+    def _dispatch(self, deltas: list[Any]) -> None:
         now = time.monotonic()
-        deliveries = []
-        for output in outputs:
-            tracked = self._tracked.get(output.request_id)
+        for delta in deltas:
+            tracked = self._tracked.get(delta.request_id)
             if tracked is None:  # aborted meanwhile
                 continue
+            output = self._decoder.decode(delta)
             self._observe_latency(tracked, output, now)
-            deliveries.append((tracked.out, output))
+            tracked.out.put_nowait(output)
             if output.finished:
                 del self._tracked[output.request_id]
                 self.metrics.e2e.observe(now - tracked.arrival)
                 reasons = {o.finish_reason for o in output.outputs}
                 self.metrics.observe_finished("stop" if "stop" in reasons else (reasons.pop() or "unknown"))
-        if deliveries:  # one wake-up of the event loop per step, not one per request
-            self.loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _observe_latency(self, tracked: _Tracked, output: Any, now: float) -> None:
         num_tokens = sum(len(o.token_ids) for o in output.outputs)
@@ -226,27 +219,21 @@ class AsyncEngine:
         tracked.last_token_time = now
         tracked.num_tokens = num_tokens
 
+    def _engine_gone(self) -> None:
+        if self._stopping:
+            return
+        self._dead = True
+        logger.error("the engine process died (exit code %s); failing every request and exiting",
+                     self.core.process.exitcode)
+        self._fail_all(APIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead"))
+        if self.on_engine_dead is not None:
+            self.on_engine_dead()
+
     def _fail_all(self, error: APIError) -> None:
+        admitting, self._admitting = self._admitting, {}
+        for future in admitting.values():
+            if not future.done():
+                future.set_exception(error)
         for request_id, tracked in list(self._tracked.items()):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("engine.abort_request failed")
-            self.metrics.observe_finished("abort")
-            if not self.loop.is_closed():
-                self.loop.call_soon_threadsafe(tracked.out.put_nowait, error)
-        self._tracked.clear()
-
-
-def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
-    for out, output in deliveries:
-        out.put_nowait(output)
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+            self.abort(request_id)
+            tracked.out.put_nowait(error)

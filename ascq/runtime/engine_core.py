@@ -1,0 +1,248 @@
+"""The engine core in its own process (vLLM v1's EngineCoreProc): scheduler, model executor and sampler.
+
+The serving process talks to it over one duplex `multiprocessing` pipe of pickled tuples (measured against ZeroMQ
+in benchmarks/ipc.py; the README "Distributed" section has the numbers):
+
+    to the core:   ("add", request_id, prompt, params) | ("abort", request_id) | ("shutdown",)
+    from the core: ("ready", info) | ("failed", message) | ("added", request_id, error | None)
+                   | ("outputs", [OutputDelta], stats) | ("step_error", message)
+
+Outputs cross as deltas (new text and tokens since the last step), so a message's size does not grow with the
+output length; `DeltaDecoder` rebuilds vLLM's cumulative `RequestOutput` on the other side. The core exits when
+the serving process dies (it watches its parent), so it is never left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ascq.runtime.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger("ascq.engine_core")
+IDLE_POLL_S = 0.5
+
+
+@dataclass
+class CompletionDelta:
+    index: int
+    text_start: int  # characters of the text sent so far that stay (less than sent when a stop string cut it)
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class OutputDelta:
+    request_id: str
+    finished: bool
+    num_cached_tokens: int
+    completions: list[CompletionDelta]
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # sent once, with the first delta that has them
+
+
+class DeltaEncoder:
+    """Core side: cumulative `RequestOutput`s -> deltas against what was already sent."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, dict[int, tuple[int, int]]] = {}  # request id -> index -> (chars, tokens)
+
+    def encode(self, output: RequestOutput) -> OutputDelta:
+        sent = self.sent.setdefault(output.request_id, {})
+        completions = []
+        for o in output.outputs:
+            num_chars, num_tokens = sent.get(o.index, (0, 0))
+            keep = min(num_chars, len(o.text))
+            completions.append(CompletionDelta(
+                o.index, keep, o.text[keep:], o.token_ids[num_tokens:],
+                None if o.logprobs is None else o.logprobs[num_tokens:], o.cumulative_logprob,
+                o.finish_reason, o.stop_reason))
+            sent[o.index] = (len(o.text), len(o.token_ids))
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None and -1 not in sent:
+            prompt_logprobs = output.prompt_logprobs
+            sent[-1] = (0, 0)
+        if output.finished:
+            del self.sent[output.request_id]
+        return OutputDelta(output.request_id, output.finished, output.num_cached_tokens, completions, prompt_logprobs)
+
+
+class DeltaDecoder:
+    """Serving side: deltas -> fresh cumulative `RequestOutput`s (new objects: readers may still hold old ones)."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, RequestOutput] = {}
+
+    def start(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int) -> None:
+        completions = [CompletionOutput(i, "", [], None, None) for i in range(n)]
+        self.outputs[request_id] = RequestOutput(request_id, prompt, prompt_token_ids, completions, False)
+
+    def forget(self, request_id: str) -> None:
+        self.outputs.pop(request_id, None)
+
+    def decode(self, delta: OutputDelta) -> RequestOutput | None:
+        previous = self.outputs.get(delta.request_id)
+        if previous is None:  # aborted here meanwhile
+            return None
+        completions = list(previous.outputs)
+        for d in delta.completions:
+            old = completions[d.index]
+            logprobs = None if d.logprobs is None else (old.logprobs or []) + d.logprobs
+            completions[d.index] = CompletionOutput(
+                d.index, old.text[:d.text_start] + d.text, old.token_ids + d.token_ids, d.cumulative_logprob,
+                logprobs, d.finish_reason, d.stop_reason)
+        output = RequestOutput(delta.request_id, previous.prompt, previous.prompt_token_ids, completions,
+                               delta.finished, delta.num_cached_tokens,
+                               delta.prompt_logprobs if delta.prompt_logprobs is not None else previous.prompt_logprobs)
+        if delta.finished:
+            del self.outputs[delta.request_id]
+        else:
+            self.outputs[delta.request_id] = output
+        return output
+
+
+# ---- the core process ------------------------------------------------------------------------------------
+
+
+def run_engine_core(engine_args: Any, conn: Connection, parent_pid: int,
+                    describe: Callable[[Any], dict[str, Any]] | None = None) -> None:
+    """Process entry point: build the engine, report ready with `describe(engine)` (or the one-line reason it
+    could not: `describe` may raise AscqError too), serve."""
+    from ascq.errors import AscqError
+    from ascq.runtime.distributed.process_watch import exit_with_parent
+
+    exit_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server drains, then stops us
+    from ascq.runtime.engine import LLMEngine
+
+    engine = None
+    try:
+        engine = LLMEngine(engine_args)
+        info = describe(engine) if describe is not None else {}
+    except (AscqError, ValueError, OSError) as exc:
+        conn.send(("failed", str(exc)))
+        if engine is not None:
+            engine.shutdown()
+        raise SystemExit(1) from None
+    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size, **info}))
+    try:
+        EngineCore(engine, conn).run()
+    finally:
+        engine.shutdown()
+
+
+class EngineCore:
+    def __init__(self, engine: Any, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.encoder = DeltaEncoder()
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.engine.has_unfinished_requests()
+            if self.conn.poll(0 if busy else IDLE_POLL_S):
+                self._apply_commands()
+                continue
+            if busy:
+                self._step()
+
+    def _apply_commands(self) -> None:
+        while self.running and self.conn.poll(0):
+            try:
+                command = self.conn.recv()
+            except EOFError:  # the serving process is gone
+                self.running = False
+                return
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self.engine.abort_request(command[1])
+            elif kind == "shutdown":
+                self.running = False
+
+    def _add(self, request_id: str, prompt: Any, params: Any) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except ValueError as exc:
+            self.conn.send(("added", request_id, str(exc)))
+        else:
+            self.conn.send(("added", request_id, None))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # an engine bug must not kill the server: fail what was in flight, keep serving
+            logger.exception("engine step failed; failing the requests in flight")
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+            self.engine.step()  # drops the aborts' outputs
+            self.encoder.sent.clear()
+            self.conn.send(("step_error", "internal engine error"))
+            return
+        deltas = [self.encoder.encode(o) for o in outputs]
+        self.conn.send(("outputs", deltas, self.engine.get_stats()))
+
+
+class EngineCoreProcess:
+    """Serving-process handle: starts the core (spawn), waits until it is ready, sends and receives messages."""
+
+    def __init__(self, engine_args: Any, describe: Callable[[Any], dict[str, Any]] | None = None,
+                 startup_timeout_s: float = 600.0) -> None:
+        import os
+
+        from ascq.errors import AscqError
+
+        context = multiprocessing.get_context("spawn")
+        self.conn, child_conn = context.Pipe(duplex=True)
+        self.process = context.Process(target=run_engine_core, args=(engine_args, child_conn, os.getpid(), describe),
+                                       name="ascq-engine-core", daemon=False)
+        self.process.start()
+        child_conn.close()
+        deadline = time.monotonic() + startup_timeout_s
+        while not self.conn.poll(0.2):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                self.kill()
+                raise AscqError(f"the engine process exited while loading the model (exit code {self.process.exitcode})")
+        try:
+            message = self.conn.recv()
+        except EOFError:
+            self.kill()
+            raise AscqError("the engine process exited while loading the model") from None
+        if message[0] == "failed":
+            self.process.join(10)
+            raise AscqError(message[1])
+        self.info: dict[str, Any] = message[1]
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def send(self, message: tuple) -> None:
+        self.conn.send(message)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        try:
+            self.conn.send(("shutdown",))
+        except (OSError, ValueError):  # already gone
+            pass
+        self.process.join(timeout_s)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)

@@ -1,0 +1,215 @@
+"""Tensor / pipeline / expert parallelism over real gloo process groups on the CPU (fp32, greedy).
+
+Identity against the single-process engine: the same prompts give the same tokens. The default suite runs a few
+short prompts per layout; the 32 prompts x 32 tokens matrices over every scheme are slow-marked. Every engine is
+used as a context manager, so its worker processes are stopped on every path (failures included).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from ascq import LLM, SamplingParams
+from ascq.quantize.qmath import dequantize
+from ascq.runtime import parallel
+from ascq.runtime.distributed.pipeline import split_requests, stage_layers
+
+KV_MEMORY = 32 << 20
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [[100 + (37 * i + 11 * j) % 3900 for j in range(4 + i % 9)] for i in range(count)]
+
+
+def greedy(model_dir: Path | str, count: int, max_tokens: int, **parallel_kwargs) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(str(model_dir), kv_cache_memory=KV_MEMORY, dtype="float32", **parallel_kwargs) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts(count), params)]
+
+
+def assert_same_tokens(model_dir: Path | str, count: int, max_tokens: int, **parallel_kwargs) -> None:
+    expected = greedy(model_dir, count, max_tokens)
+    got = greedy(model_dir, count, max_tokens, **parallel_kwargs)
+    mismatches = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
+    assert not mismatches, f"{parallel_kwargs}: prompts {mismatches} differ, e.g. {expected[mismatches[0]]} vs {got[mismatches[0]]}"
+
+
+# ---- pure sharding math (no processes) ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def rank_state():
+    def set_rank(tp_rank: int, tp_size: int) -> None:
+        parallel._state = parallel.ParallelState(tp_size=tp_size, tp_rank=tp_rank)
+
+    yield set_rank
+    parallel._state = parallel.ParallelState()
+
+
+def test_group_scales_straddling_ranks_dequantize_to_the_same_weight(rank_state) -> None:
+    torch.manual_seed(0)
+    out_features, in_features, group_size = 8, 640, 128  # 320 columns per rank: group 2 straddles both ranks
+    q = torch.randint(0, 16, (out_features, in_features)).to(torch.int8)
+    scale = torch.rand(out_features, in_features // group_size) + 0.1
+    zero = torch.randint(0, 16, scale.shape).to(torch.int8)
+    full = dequantize(q.float(), scale.repeat_interleave(group_size, 1), zero.float().repeat_interleave(group_size, 1))
+    parts = []
+    for rank in range(2):
+        rank_state(rank, 2)
+        q_r = parallel.shard_tensor(q, "weight", 1, in_features)
+        s_r = parallel.shard_tensor(scale, "weight_scale", 1, in_features)
+        z_r = parallel.shard_tensor(zero, "weight_zero_point", 1, in_features)
+        local_group = q_r.shape[1] // s_r.shape[1]
+        assert local_group == 64 and s_r.shape == z_r.shape
+        parts.append(dequantize(q_r.float(), s_r.repeat_interleave(local_group, 1),
+                                z_r.float().repeat_interleave(local_group, 1)))
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=0)
+
+
+def test_row_parallel_keeps_per_channel_scales_bias_on_rank_0_and_activation_scales(rank_state) -> None:
+    rank_state(1, 2)
+    per_channel = torch.rand(8, 1)
+    assert parallel.shard_tensor(per_channel, "weight_scale", 1, 64) is per_channel
+    assert not parallel.shard_tensor(torch.ones(8), "bias", 1, 64).any()
+    assert parallel.shard_tensor(torch.tensor(0.5), "input_scale", 0, 64).item() == 0.5
+    assert parallel.shard_tensor(torch.arange(8.0).reshape(8, 1), "weight_scale", 0, 64).flatten().tolist() == [4, 5, 6, 7]
+
+
+def test_kv_heads_split_or_replicated() -> None:
+    assert parallel.kv_heads_per_rank(8, 2) == 4
+    assert parallel.kv_heads_per_rank(2, 4) == 1
+    with pytest.raises(Exception, match="multiple of num_key_value_heads"):
+        parallel.kv_heads_per_rank(3, 4)
+
+
+def test_pipeline_stages_and_micro_batches() -> None:
+    assert [list(stage_layers(30, 4, r)) for r in range(4)] == [list(range(0, 8)), list(range(8, 16)),
+                                                                list(range(16, 23)), list(range(23, 30))]
+    assert split_requests([5, 5, 5, 5], 2) == [(0, 2), (2, 4)]
+    assert split_requests([100, 1, 1], 2) == [(0, 1), (1, 3)]
+    assert split_requests([3], 4) == [(0, 1)]
+
+
+# ---- real process groups ------------------------------------------------------------------------------------
+
+
+def test_tp2_tiny_llama_same_tokens(tiny_llama_dir: Path) -> None:
+    assert_same_tokens(tiny_llama_dir, 4, 8, tensor_parallel_size=2)
+
+
+def test_pp2_tiny_llama_same_tokens(tiny_llama_dir: Path) -> None:
+    assert_same_tokens(tiny_llama_dir, 4, 8, pipeline_parallel_size=2)
+
+
+def test_ep2_tiny_deepseek_moe_same_tokens(tiny_deepseek_moe_dir: Path) -> None:
+    assert_same_tokens(tiny_deepseek_moe_dir, 4, 8, tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_kill_9_of_rank_0_leaves_no_worker(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "rank0.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from ascq import LLM
+
+        if __name__ == "__main__":
+            llm = LLM({str(tiny_llama_dir)!r}, kv_cache_memory={KV_MEMORY}, tensor_parallel_size=2)
+            print("ready", flush=True)
+            time.sleep(600)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    workers: list[psutil.Process] = []
+    try:
+        assert rank0.stdout.readline().strip() == "ready"
+        workers = [c for c in psutil.Process(rank0.pid).children(recursive=True)
+                   if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+        assert workers
+        rank0.send_signal(signal.SIGKILL)
+        rank0.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.2)
+        assert not [w.pid for w in workers if _alive(w)]
+    finally:
+        for process in [*workers, rank0]:
+            if _alive(process):
+                process.kill()
+
+
+def _alive(process: psutil.Process | subprocess.Popen) -> bool:
+    if isinstance(process, subprocess.Popen):
+        return process.poll() is None
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ---- the full matrices (slow) -------------------------------------------------------------------------------
+
+LLAMA_RECIPES = ("dense", "w8a8", "w4a16-rtn", "awq-int4")
+MOE_RECIPES = ("dense", "w8a8", "w4a16-rtn")
+
+
+def entry(base: Path, recipe: str, converted_entry) -> Path:
+    return base if recipe == "dense" else converted_entry(base, (recipe,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", LLAMA_RECIPES)
+def test_tp2_tiny_llama_32x32(recipe: str, tiny_llama_dir: Path, converted_entry) -> None:
+    assert_same_tokens(entry(tiny_llama_dir, recipe, converted_entry), 32, 32, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2},
+                                    {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}], ids=["pp2", "tp2xpp2"])
+def test_pipeline_tiny_llama_32x32(layout: dict, tiny_llama_dir: Path) -> None:
+    assert_same_tokens(tiny_llama_dir, 32, 32, **layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", MOE_RECIPES)
+@pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep2", "tp2-experts"])
+def test_tiny_deepseek_moe_32x32(recipe: str, expert_parallel: bool, tiny_deepseek_moe_dir: Path,
+                                 converted_entry) -> None:
+    assert_same_tokens(entry(tiny_deepseek_moe_dir, recipe, converted_entry), 32, 32, tensor_parallel_size=2,
+                       enable_expert_parallel=expert_parallel)
+
+
+@pytest.mark.slow
+def test_tp2_smollm2_32x32() -> None:
+    candidates = [Path("/work/main/zoo/smollm2-135m-instruct"), Path("/work/smollm2-hf")]
+    model = next((p for p in candidates if (p / "model.safetensors").is_file() or (p / "config.json").is_file()), None)
+    assert model is not None, f"SmolLM2 not found at {candidates}"
+    assert_same_tokens(model, 32, 32, tensor_parallel_size=2)
+
+
+def test_sizing_matches_the_checkpoint_and_splits(tiny_llama_dir: Path) -> None:
+    import json
+
+    from safetensors import safe_open
+
+    from ascq.runtime.distributed.sizing import per_rank_memory
+
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    total = 0
+    with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if not name.endswith("norm.weight"):
+                total += f.get_slice(name).get_shape()[0] * (f.get_slice(name).get_shape() + [1])[1] * 2
+    assert per_rank_memory(config, tp=1)["weight_bytes"] == total
+    assert per_rank_memory(config, tp=2)["weight_bytes"] == total / 2
+    assert per_rank_memory(config, tp=4)["kv_bytes_per_token"] == 2 * 4 * 1 * 32 * 2  # 2 KV heads replicated
+    halves = [per_rank_memory(config, tp=1, pp=2, pp_rank=r)["weight_bytes"] for r in range(2)]
+    assert sum(halves) == total
