@@ -217,7 +217,7 @@ def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int, enable
 
 @app.command("generate")
 def generate(
-    model: Annotated[Path, typer.Argument(help="Model folder (a zoo entry or a Hugging Face checkpoint).")],
+    model: Annotated[str, typer.Argument(help="Model folder or zoo entry name (a zoo entry or a Hugging Face checkpoint).")],
     prompt: Annotated[list[str], typer.Option(help="Prompt text; repeat for a batch.")],
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
@@ -248,8 +248,10 @@ def generate(
     """Generate text for one or more prompts offline and print it."""
     from ascq.runtime.llm import LLM
     from ascq.runtime.sampling_params import SamplingParams
+    from ascq.zoo.manifest import resolve_local_model
     from ascq.zoo.planned import require_weights
 
+    model = resolve_local_model(model)  # a path or a zoo entry name
     require_weights(model)  # a planned zoo entry: say which command produces its weights
 
     try:
@@ -276,7 +278,7 @@ def generate(
 
 @app.command("serve")
 def serve(
-    model: Annotated[Path, typer.Argument(help="Model folder (a zoo entry or a Hugging Face checkpoint).")],
+    model: Annotated[str, typer.Argument(help="Model folder or zoo entry name (a zoo entry or a Hugging Face checkpoint).")],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[str | None, typer.Option(
@@ -334,8 +336,10 @@ def serve(
 
     from ascq.runtime.engine_args import EngineArgs
     from ascq.runtime.server.api_server import run_server
+    from ascq.zoo.manifest import resolve_local_model
     from ascq.zoo.planned import require_weights
 
+    model = resolve_local_model(model)  # a path or a zoo entry name
     require_weights(model)  # a planned zoo entry: say which command produces its weights
     engine_args = EngineArgs(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -47,3 +47,14 @@ def test_version_and_python_m_and_recipes_without_torch(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     for name in paths.shipped_recipes():
         assert f"\n{name} " in "\n" + proc.stdout
+
+
+def test_generate_resolves_zoo_names_and_explains_hub_ids(capsys) -> None:
+    from ascq.cli import main
+
+    main(["generate", "tiny-llama", "--prompt", "def f(", "--max-tokens", "2"])  # the committed fixture, by name
+    assert capsys.readouterr().out.strip()
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "someorg/some-model"])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and "ascq zoo pull someorg/some-model" in err and err.count("\n") == 1
