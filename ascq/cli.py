@@ -246,6 +246,7 @@ def generate(
              '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
 ) -> None:
     """Generate text for one or more prompts offline and print it."""
+    from ascq.quantize.convert import check_device
     from ascq.runtime.llm import LLM
     from ascq.runtime.sampling_params import SamplingParams
     from ascq.zoo.manifest import resolve_local_model
@@ -253,6 +254,7 @@ def generate(
 
     model = resolve_local_model(model)  # a path or a zoo entry name
     require_weights(model)  # a planned zoo entry: say which command produces its weights
+    check_device(device)  # --device cuda without CUDA, npu without torch_npu: one line, not a traceback
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -334,6 +336,7 @@ def serve(
                            served_model_name=served_model_name, chat_template=chat_template,
                            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
 
+    from ascq.quantize.convert import check_device
     from ascq.runtime.engine_args import EngineArgs
     from ascq.runtime.server.api_server import run_server
     from ascq.zoo.manifest import resolve_local_model
@@ -341,6 +344,7 @@ def serve(
 
     model = resolve_local_model(model)  # a path or a zoo entry name
     require_weights(model)  # a planned zoo entry: say which command produces its weights
+    check_device(device)  # --device cuda without CUDA, npu without torch_npu: one line, not a traceback
     engine_args = EngineArgs(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory,
