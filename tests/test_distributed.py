@@ -193,3 +193,23 @@ def test_tp2_smollm2_32x32() -> None:
     model = next((p for p in candidates if (p / "model.safetensors").is_file() or (p / "config.json").is_file()), None)
     assert model is not None, f"SmolLM2 not found at {candidates}"
     assert_same_tokens(model, 32, 32, tensor_parallel_size=2)
+
+
+def test_sizing_matches_the_checkpoint_and_splits(tiny_llama_dir: Path) -> None:
+    import json
+
+    from safetensors import safe_open
+
+    from ascq.runtime.distributed.sizing import per_rank_memory
+
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    total = 0
+    with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if not name.endswith("norm.weight"):
+                total += f.get_slice(name).get_shape()[0] * (f.get_slice(name).get_shape() + [1])[1] * 2
+    assert per_rank_memory(config, tp=1)["weight_bytes"] == total
+    assert per_rank_memory(config, tp=2)["weight_bytes"] == total / 2
+    assert per_rank_memory(config, tp=4)["kv_bytes_per_token"] == 2 * 4 * 1 * 32 * 2  # 2 KV heads replicated
+    halves = [per_rank_memory(config, tp=1, pp=2, pp_rank=r)["weight_bytes"] for r in range(2)]
+    assert sum(halves) == total

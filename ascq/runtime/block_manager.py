@@ -85,10 +85,11 @@ class BlockManager:
             self.block_hash[block_id] = None
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's computed full blocks so later requests can reuse them."""
+        """Register the request's computed full blocks so later requests can reuse them (never blocks holding
+        unverified speculative tokens: only positions below num_tokens are the request's own tokens)."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         hashes = self._hash_blocks(request, num_full)
         for i in range(request.num_registered_blocks, num_full):
             block_id, block_hash = request.block_table[i], hashes[i]
@@ -96,6 +97,19 @@ class BlockManager:
                 self.block_hash[block_id] = block_hash
                 self.cached_blocks[block_hash] = block_id
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    def free_excess_slots(self, request: Request) -> None:
+        """Speculative rollback: free the tail blocks beyond the request's tokens (they held rejected tokens' KV).
+
+        They were allocated this step and never published to the prefix cache (only blocks of computed tokens
+        are), so they go to the head of the free queue, to be reused before any cached block is evicted."""
+        keep = self.blocks_needed(request.num_tokens)
+        while len(request.block_table) > keep:
+            block_id = request.block_table.pop()
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks are freed first so they are evicted first."""

@@ -44,6 +44,10 @@ class Request:
         self.output_text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # speculative decoding: tokens proposed for the next step, and the draft's distribution over each
+        # (None: a proposer without one, n-gram); they become extra query rows when the scheduler fits them
+        self.spec_token_ids: list[int] = []
+        self.spec_token_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
