@@ -358,11 +358,15 @@ def test_llm_and_cli_generate_take_speculative_config(tiny_llama_dir, capsys):
     from ascq import LLM
     from ascq.cli import main
 
-    prompt = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
+    prompt = "def parse(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    plain = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20).generate(prompt, params)[0].outputs[0].text
+    base = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20)
+    plain = base.generate(prompt, params)[0].outputs[0].text
+    long_params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20, speculative_config=NGRAM)
     assert llm.generate(prompt, params)[0].outputs[0].text == plain
+    assert (llm.generate(prompt, long_params)[0].outputs[0].token_ids
+            == base.generate(prompt, long_params)[0].outputs[0].token_ids)
     assert llm.engine.get_stats()["spec_decode_num_drafts"] > 0
     argv = ["generate", str(tiny_llama_dir), "--prompt", prompt, "--max-tokens", "24", "--kv-cache-memory",
             str(16 << 20), "--speculative-config", json.dumps(NGRAM)]
@@ -383,11 +387,11 @@ def test_server_streams_speculative_tokens_and_reports_metrics(tiny_llama_dir, t
 
     from ascq import LLM
 
-    prompt = "import os\nimport sys\n\nimport os\nimport sys\n\n"
+    prompt = "def parse(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
     reference = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20).generate(
         prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0].outputs[0].text
     process, base_url = launch_server(tiny_llama_dir, tmp_path / "server.log", "--speculative-config",
-                                      json.dumps(NGRAM), api_key=API_KEY)
+                                      json.dumps(NGRAM), api_key=API_KEY, startup_timeout_s=300)
     try:
         body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "stream": True, "ignore_eos": True}
         chunks = []
