@@ -25,6 +25,22 @@ app = typer.Typer(
 zoo_app = typer.Typer(help="List, inspect, verify, document and pull zoo entries.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks: offline latency / throughput, or a running server.", no_args_is_help=True)
 app.add_typer(zoo_app, name="zoo")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from ascq import __version__
+
+        typer.echo(f"ascq {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Quantize Hugging Face LLM checkpoints into a model zoo and serve them (Ascend NPU, CUDA, CPU)."""
 app.add_typer(bench_app, name="bench")
 
 
@@ -166,9 +182,11 @@ def convert(
 @app.command("recipes")
 def recipes() -> None:
     """List the shipped recipes with their descriptions."""
-    from ascq.quantize.recipe import list_recipes
+    from ascq.paths import recipe_descriptions
 
-    rows = list_recipes()
+    rows = recipe_descriptions()
+    if not rows:
+        raise AscqError("no recipes found: the installation is missing ascq/recipes/*.yaml")
     width = max(len(name) for name, _ in rows)
     for name, description in rows:
         typer.echo(f"{name.ljust(width)}  {description}")
@@ -199,7 +217,7 @@ def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int, enable
 
 @app.command("generate")
 def generate(
-    model: Annotated[Path, typer.Argument(help="Model folder (a zoo entry or a Hugging Face checkpoint).")],
+    model: Annotated[str, typer.Argument(help="Model folder or zoo entry name (a zoo entry or a Hugging Face checkpoint).")],
     prompt: Annotated[list[str], typer.Option(help="Prompt text; repeat for a batch.")],
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
@@ -222,13 +240,21 @@ def generate(
     tensor_parallel_size: TensorParallelSize = 1,
     pipeline_parallel_size: PipelineParallelSize = 1,
     enable_expert_parallel: EnableExpertParallel = False,
+    speculative_config: Annotated[str | None, typer.Option(
+        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+             '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
 ) -> None:
     """Generate text for one or more prompts offline and print it."""
+    from ascq.quantize.convert import check_device
     from ascq.runtime.llm import LLM
     from ascq.runtime.sampling_params import SamplingParams
+    from ascq.zoo.manifest import resolve_local_model
     from ascq.zoo.planned import require_weights
 
+    model = resolve_local_model(model)  # a path or a zoo entry name
     require_weights(model)  # a planned zoo entry: say which command produces its weights
+    check_device(device)  # --device cuda without CUDA, npu without torch_npu: one line, not a traceback
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -236,7 +262,8 @@ def generate(
                   max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                   enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-                  **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel))
+                  **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel),
+                  speculative_config=speculative_config)
         with llm:
             if chat:
                 outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
@@ -253,7 +280,7 @@ def generate(
 
 @app.command("serve")
 def serve(
-    model: Annotated[Path, typer.Argument(help="Model folder (a zoo entry or a Hugging Face checkpoint).")],
+    model: Annotated[str, typer.Argument(help="Model folder or zoo entry name (a zoo entry or a Hugging Face checkpoint).")],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[str | None, typer.Option(
@@ -286,6 +313,10 @@ def serve(
     node_rank: NodeRank = 0,
     master_addr: MasterAddr = "127.0.0.1",
     master_port: MasterPort = None,
+    speculative_config: Annotated[str | None, typer.Option(
+        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+             '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
 ) -> None:
     """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
 
@@ -305,18 +336,22 @@ def serve(
                            served_model_name=served_model_name, chat_template=chat_template,
                            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
 
+    from ascq.quantize.convert import check_device
     from ascq.runtime.engine_args import EngineArgs
     from ascq.runtime.server.api_server import run_server
+    from ascq.zoo.manifest import resolve_local_model
     from ascq.zoo.planned import require_weights
 
+    model = resolve_local_model(model)  # a path or a zoo entry name
     require_weights(model)  # a planned zoo entry: say which command produces its weights
+    check_device(device)  # --device cuda without CUDA, npu without torch_npu: one line, not a traceback
     engine_args = EngineArgs(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory,
                              seed=seed, served_model_name=served_model_name,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                              enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-                             performance_mode=performance_mode,
+                             performance_mode=performance_mode, speculative_config=speculative_config,
                              **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel,
                                              nnodes, node_rank, master_addr, master_port))
     if headless:

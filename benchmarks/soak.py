@@ -167,10 +167,18 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, rec: Recorder
                     break
     if disconnect:
         rec.record("disconnected_mid_stream", began)
-    elif lines and lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines):
+    elif lines and lines[-1] == "data: [DONE]" and not any(in_band_error(x) for x in lines[:-1]):
         rec.record("ok_stream", began)
     else:
-        rec.record("stream_incomplete", began, "\n".join(lines[-3:]))
+        rec.record("stream_incomplete", began, next((x for x in lines if in_band_error(x)), "no [DONE]"))
+
+
+def in_band_error(line: str) -> bool:
+    """An SSE event that is OpenAI's error JSON (a token's text may well be "error": parse, do not grep)."""
+    try:
+        return "error" in json.loads(line.removeprefix("data: "))
+    except json.JSONDecodeError:
+        return True
 
 
 def classify(status: int) -> str:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
+import pytest
+
+from ascq.runtime import block_manager
 from ascq.runtime.block_manager import BlockManager
 from ascq.runtime.request import Request
 from ascq.runtime.sampling_params import SamplingParams
@@ -87,3 +93,27 @@ def test_prefix_caching_off_never_hits():
     a = req([1, 2, 3, 4, 5])
     compute(bm, a, hits=[])
     assert bm.get_computed_blocks(req([1, 2, 3, 4, 5])) == []
+
+
+def test_block_keys_are_sha256_chained_over_parent_and_tokens():
+    from ascq.runtime.block_manager import ROOT_KEY, block_key
+
+    bm = BlockManager(num_blocks=8, block_size=2)
+    r = req([1, 2, 3, 4, 5])
+    first, second = bm._hash_blocks(r, 2)
+    assert first == hashlib.sha256(ROOT_KEY + array("q", [1, 2]).tobytes()).digest()
+    assert second == block_key(first, [3, 4]) != block_key(ROOT_KEY, [3, 4])
+    assert block_key(ROOT_KEY, [1, 2]) != block_key(ROOT_KEY, [2, 1])
+
+
+def test_colliding_block_keys_never_share_kv(monkeypatch: pytest.MonkeyPatch):
+    """Every block key collides (the old Python-hash keying and the new one, both made constant): a request whose
+    tokens differ must not get the first request's KV blocks; one with the same tokens still hits."""
+    monkeypatch.setattr(block_manager, "hash", lambda _: 0, raising=False)  # the keying before sha256
+    monkeypatch.setattr(block_manager, "block_key", lambda *_: b"\0" * 32, raising=False)
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = req([1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
+    compute(bm, a)
+    assert bm.get_computed_blocks(req([9, 9, 9, 9, 5], "b")) == []
+    assert bm.get_computed_blocks(req([1, 2, 3, 4, 0, 0, 0, 0, 9], "c")) == a.block_table[:1]
+    assert bm.get_computed_blocks(req([1, 2, 3, 4, 5], "d")) == a.block_table[:1]

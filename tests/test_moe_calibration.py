@@ -13,7 +13,8 @@ from torch import nn
 
 from ascq.evaluate import eval_windows, load_eval_token_ids
 from ascq.formats.safetensors import CheckpointReader
-from ascq.models.deepseek_moe import DeepseekMLP, load_deepseek
+from ascq.models.decoder import MLP as DeepseekMLP
+from ascq.models.deepseek_moe import load_deepseek
 from ascq.quantize.architectures import load_architecture
 from ascq.quantize.gptq_modifier import GPTQModifier
 from ascq.quantize.layer_context import LayerContext

@@ -9,8 +9,8 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize, fake_quantize, quantize
 from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp
 
-from ascq.quantize import qmath
 from ascq.formats import compressed_tensors as ct
+from ascq.quantize import qmath
 from ascq.quantize.modifier import QuantizedLinear
 from ascq.quantize.schemes import LinearTarget, RecipeScheme
 
@@ -81,14 +81,22 @@ def test_scale_rounded_to_checkpoint_dtype_before_rounding_values():
     assert torch.equal(q, quantize(w, scale, None, args, dtype=torch.int8))
 
 
-def test_per_token_fake_quant_matches_compressed_tensors_dynamic_token():
+def test_per_token_quantizer_is_the_serving_rule():
+    """vLLM's scaled_int8_quant / vllm-ascend's npu_dynamic_quant: scale = absmax / 127 (fp32), round half to even,
+    saturate; not compressed-tensors' calibration-time absmax / 127.5."""
     x = torch.randn(2, 16, 64) * torch.linspace(0.1, 5, 64)
+    x[0, 0] = 0.0  # a zero row: scale 0, q 0
+    x[0, 1, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale exactly 1: ties round to even
+    q, scale = qmath.quantize_per_token(x)
+    absmax = x.abs().amax(-1, keepdim=True)
+    assert torch.equal(scale, absmax / 127) and scale.dtype == torch.float32
+    assert torch.equal(q[0, 0], torch.zeros(64)) and q[0, 1, :4].tolist() == [127.0, 0.0, 2.0, -2.0]
+    plain = torch.where(absmax > 0, x / torch.where(absmax > 0, absmax / 127, 1.0), 0.0).round().clamp(-128, 127)
+    assert torch.equal(q, plain)
+    assert torch.equal(qmath.per_token_fake_quantize(x), q * scale)
     args = QuantizationArgs(num_bits=8, strategy="token", symmetric=True, dynamic=True)
-    scale, zp = compute_dynamic_scales_and_zp(x, args, module=None)
-    expected = fake_quantize(x, scale, zp, args)
-    torch.testing.assert_close(qmath.per_token_fake_quantize(x), expected, rtol=0, atol=1e-6)
-    plain = (x / (x.abs().amax(-1, keepdim=True) / 127.5)).round().clamp(-128, 127) * (x.abs().amax(-1, keepdim=True) / 127.5)
-    torch.testing.assert_close(qmath.per_token_fake_quantize(x), plain, rtol=0, atol=1e-6)
+    ct_scale, _ = compute_dynamic_scales_and_zp(x[1:], args, module=None)
+    torch.testing.assert_close(ct_scale, absmax[1:] / 127.5)  # the library's calibration rule differs
 
 
 def test_static_and_fp8_scales_match_compressed_tensors():

@@ -32,11 +32,14 @@ def free_port() -> int:
 
 
 def launch_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None,
-                  startup_timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+                  startup_timeout_s: float = 120.0, env_vars: dict[str, str] | None = None
+                  ) -> tuple[subprocess.Popen, str]:
     """Start `python -m ascq.cli serve` and wait until /health answers; returns (process, base url)."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ASCQ_API_KEY", None)
+    env.pop("VLLM_API_KEY", None)
+    env.update(env_vars or {})
     if api_key:
         env["ASCQ_API_KEY"] = api_key  # via the environment: a key on the command line shows in `ps`
     command = [sys.executable, "-m", "ascq.cli", "serve", str(model_dir), "--port", str(port),

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from compressed_tensors.compressors import BaseCompressor
@@ -161,10 +161,13 @@ def linear_bytes(
     return sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in specs.values())
 
 
-def stored_shape(params: dict[str, tuple[str, tuple[int, ...]]], weight_shape: torch.Tensor | None) -> tuple[int, int]:
-    """(out, in) of a stored quantized linear from its tensor infos and, when packed, its `weight_shape` value."""
-    if weight_shape is not None:
-        out_features, in_features = (int(v) for v in weight_shape.tolist())
+def stored_shape(
+    params: dict[str, tuple[str, tuple[int, ...]]], read: Callable[[str], torch.Tensor]
+) -> tuple[int, int]:
+    """(out, in) of a stored quantized linear from its tensor infos; `read(local name)` reads `weight_shape` when
+    the weight is packed."""
+    if "weight_shape" in params:
+        out_features, in_features = (int(v) for v in read("weight_shape").tolist())
         return out_features, in_features
     out_features, in_features = params["weight"][1]
     return out_features, in_features

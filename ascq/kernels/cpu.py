@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ascq.kernels import QuantLinearWeights, moe, native
 from ascq.kernels.cpu_attention import paged_attention
 from ascq.kernels.paged_sdpa import write_kv_cache
-from ascq.kernels.reference import fake_quantize_input, quantize_per_token, select_experts
+from ascq.kernels.reference import fake_quantize_input, integer_activations, select_experts
 
 __all__ = ["linear", "moe_experts", "paged_attention", "prepare_experts", "prepare_linear", "select_experts"]
 __all__ += ["write_kv_cache"]
@@ -63,6 +63,31 @@ def _fp32_workspace(rows: int, cols: int) -> torch.Tensor:
 
 
 @dataclass
+class NativeWeights:
+    packed: torch.Tensor  # pack_w4 uint8 (4 bits) or the int8 weight (8 bits)
+    group_size: int
+    scales: torch.Tensor  # fp32 [out, in // group_size]
+    zeros: torch.Tensor | None  # zero point (+ 8 at 4 bits), fp32 [out, groups]; None: symmetric
+
+
+@dataclass
+class Int4PackWeights:
+    packed: torch.Tensor  # aten int4pack uint8
+    group_size: int
+    scales_and_zeros: torch.Tensor  # bf16 [groups, out, 2]
+
+
+@dataclass
+class Int8PackWeights:
+    scales: torch.Tensor  # bf16 [out]
+
+
+@dataclass
+class FbgemmWeights:
+    params: Any  # torch.ops.quantized.linear_prepack's packed params
+
+
+@dataclass
 class CpuLinear:
     kernel: str  # dense | native | int4pack | int8pack | fbgemm | dequant
     weights: QuantLinearWeights  # scheme and input qparams; its weight is on the meta device
@@ -70,10 +95,7 @@ class CpuLinear:
     weight: torch.Tensor | None  # dense: float; else int8 [out, in] for the dequant path (None: unused)
     scale: torch.Tensor | None = None  # fp32 [out, groups]
     zero: torch.Tensor | None = None  # fp32 [out, groups]
-    packed: Any = None  # native: pack_w4 uint8 or the int8 weight | int4pack uint8 | fbgemm packed params
-    packed_group_size: int = 0
-    packed_scales: torch.Tensor | None = None  # native fp32 [out, groups] | int4pack scales_and_zeros | int8pack
-    packed_zeros: torch.Tensor | None = None  # native: zero point (+ 8 at 4 bits), fp32 [out, groups] (None: symmetric)
+    packed: NativeWeights | Int4PackWeights | Int8PackWeights | FbgemmWeights | None = None  # the kernel's own copy
     bias: torch.Tensor | None = None  # fp32
 
 
@@ -122,20 +144,26 @@ def _prepare_int4pack(p: CpuLinear) -> None:
         else p.zero.repeat_interleave(num_groups // p.zero.shape[1], 1)
     )
     unsigned = (p.weight.to(torch.int32) + 8).contiguous()
-    p.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2)
-    p.packed_group_size = group_size
     # the kernel computes (u - 8) * scale + offset; ours is (q - zero) * scale with q = u - 8
-    p.packed_scales = torch.stack([scale.T, (-zero * scale).T], dim=-1).to(torch.bfloat16).contiguous()
+    p.packed = Int4PackWeights(
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2),
+        group_size,
+        torch.stack([scale.T, (-zero * scale).T], dim=-1).to(torch.bfloat16).contiguous(),
+    )
 
 
 def _prepare_native(p: CpuLinear) -> None:
     bits, group_size = p.weights.num_bits, _native_group_size(p.weights)
     repeats = p.weights.in_features // group_size // p.scale.shape[1]
-    p.packed = native.pack_w4(p.weight) if bits == 4 else p.weight
-    p.packed_group_size = group_size
-    p.packed_scales = p.scale.repeat_interleave(repeats, 1) if repeats > 1 else p.scale.contiguous()
+    zeros = None
     if p.zero is not None:
-        p.packed_zeros = (p.zero.repeat_interleave(repeats, 1) + (8 if bits == 4 else 0)).contiguous()
+        zeros = (p.zero.repeat_interleave(repeats, 1) + (8 if bits == 4 else 0)).contiguous()
+    p.packed = NativeWeights(
+        native.pack_w4(p.weight) if bits == 4 else p.weight,
+        group_size,
+        p.scale.repeat_interleave(repeats, 1) if repeats > 1 else p.scale.contiguous(),
+        zeros,
+    )
     if bits == 4:
         p.weight = None  # large M dequantizes from the packed copy
 
@@ -145,7 +173,7 @@ def _prepare_fbgemm(p: CpuLinear) -> None:
     with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes them
         warnings.simplefilter("ignore")
         qweight = torch._make_per_channel_quantized_tensor(p.weight, p.scale[:, 0].double(), zero, 0)
-        p.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        p.packed = FbgemmWeights(torch.ops.quantized.linear_prepack(qweight, None))
 
 
 def _metadata_only(w: QuantLinearWeights) -> QuantLinearWeights:
@@ -170,7 +198,7 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
         if _unpacks_exactly(p):
             p.weight = None  # keep 4 bits per weight: large M dequantizes from the packed copy
     elif kernel == "int8pack":
-        p.packed_scales = p.scale[:, 0].to(torch.bfloat16)
+        p.packed = Int8PackWeights(p.scale[:, 0].to(torch.bfloat16))
     elif kernel == "fbgemm":
         _prepare_fbgemm(p)
         if w.num_bits == 4:
@@ -181,7 +209,7 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
 def _unpack_int4pack_into(p: CpuLinear, buf: torch.Tensor) -> torch.Tensor:
     """The signed int4 values of an int4pack weight, written into `buf` [out, in] (any float dtype)."""
     out_features, in_features = buf.shape
-    packed = p.packed.view(out_features // INT4PACK_BLOCK_N, in_features, INT4PACK_BLOCK_N // 2).transpose(
+    packed = p.packed.packed.view(out_features // INT4PACK_BLOCK_N, in_features, INT4PACK_BLOCK_N // 2).transpose(
         1, 2
     )
     blocks = buf.view(out_features // INT4PACK_BLOCK_N, INT4PACK_BLOCK_N, in_features)
@@ -192,7 +220,7 @@ def _unpack_int4pack_into(p: CpuLinear, buf: torch.Tensor) -> torch.Tensor:
 
 def _unpacks_exactly(p: CpuLinear) -> bool:
     """Whether this torch build's int4pack layout is the one `_unpack_int4pack_into` reads (checked per layer)."""
-    if p.weight.shape[0] % INT4PACK_BLOCK_N or p.packed.numel() * 2 != p.weight.numel():
+    if p.weight.shape[0] % INT4PACK_BLOCK_N or p.packed.packed.numel() * 2 != p.weight.numel():
         return False
     unpacked = _unpack_int4pack_into(p, torch.empty(p.weight.shape, dtype=torch.int16))
     return torch.equal(unpacked, p.weight.to(torch.int16))
@@ -201,7 +229,7 @@ def _unpacks_exactly(p: CpuLinear) -> bool:
 def _dequantized(p: CpuLinear) -> torch.Tensor:
     buf = _fp32_workspace(p.out_features, p.weights.in_features)
     if p.weight is None and p.kernel == "native":
-        native.unpack_w4_into(p.packed, buf)
+        native.unpack_w4_into(p.packed.packed, buf)
     elif p.weight is None:
         _unpack_int4pack_into(p, buf)
     else:
@@ -230,7 +258,7 @@ def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= INT4PACK_MAX_M:
         return _dequant_linear(x, p)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.to(torch.bfloat16).contiguous(), p.packed, p.packed_group_size, p.packed_scales
+        x.to(torch.bfloat16).contiguous(), p.packed.packed, p.packed.group_size, p.packed.scales_and_zeros
     )
     return y if p.bias is None else y + p.bias
 
@@ -238,40 +266,29 @@ def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
 def _native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= NATIVE_MAX_M:
         return _dequant_linear(x, p)
-    y = native.weight_only_mm(
-        native.load(), x, p.packed, p.weights.num_bits, p.packed_scales, p.packed_zeros, p.packed_group_size
-    )
+    w = p.packed
+    y = native.weight_only_mm(native.load(), x, w.packed, p.weights.num_bits, w.scales, w.zeros, w.group_size)
     return y if p.bias is None else y + p.bias
 
 
 def _int8pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= INT8PACK_MAX_M:
         return _dequant_linear(x, p)
-    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), p.weight, p.packed_scales)
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), p.weight, p.packed.scales)
     return y if p.bias is None else y + p.bias
-
-
-def _integer_activations(x: torch.Tensor, w: QuantLinearWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v, scale): x ~= v * scale with v integer-valued fp32 (zero point removed), scale per token or scalar."""
-    if w.scheme == "w8a8_static":
-        scale = w.input_scale.float().reshape(())
-        zero = 0.0 if w.input_zero_point is None else w.input_zero_point.float().reshape(())
-        return ((x / scale).round() + zero).clamp(-128, 127) - zero, scale
-    return quantize_per_token(x)
 
 
 def _fbgemm_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if p.weights.num_bits == 8 and x.shape[0] >= FBGEMM_SPLIT_MAX_M:
         return _dequant_linear(x, p)
     gemm = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
-    v, scale = _integer_activations(x.float(), p.weights)
+    v, scale = integer_activations(x.float(), p.weights)
+    params = p.packed.params
     if p.weights.num_bits == 4:
-        y = gemm(v, 1.0, 128, p.packed)
+        y = gemm(v, 1.0, 128, params)
     else:
         high = torch.floor(v / ACTIVATION_SPLIT)
-        y = gemm(high, 1.0, 64, p.packed) * ACTIVATION_SPLIT + gemm(
-            v - high * ACTIVATION_SPLIT, 1.0, 0, p.packed
-        )
+        y = gemm(high, 1.0, 64, params) * ACTIVATION_SPLIT + gemm(v - high * ACTIVATION_SPLIT, 1.0, 0, params)
     y = y * scale
     return y if p.bias is None else y + p.bias
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ascq.kernels import QuantLinearWeights, moe
 from ascq.kernels.paged_sdpa import paged_attention, write_kv_cache
-from ascq.kernels.reference import dequantize_weight, fake_quantize_input, quantize_per_token, select_experts
+from ascq.kernels.reference import dequantize_weight, fake_quantize_input, integer_activations, select_experts
 
 __all__ = ["linear", "moe_experts", "paged_attention", "prepare_experts", "prepare_linear", "select_experts"]
 __all__ += ["write_kv_cache"]
@@ -102,12 +102,7 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
 
 
 def _int_mm_linear(x: torch.Tensor, p: CudaLinear) -> torch.Tensor:
-    w = p.weights
-    if w.scheme == "w8a8_static":
-        step = w.input_scale.float().reshape(()).to(x.device)
-        q, row_scale = (x / step).round().clamp(-128, 127), step
-    else:
-        q, row_scale = quantize_per_token(x)
+    q, row_scale = integer_activations(x, p.weights)
     num_rows = q.shape[0]
     padded = F.pad(q, (0, 0, 0, max(0, INT_MM_MIN_ROWS - num_rows))).to(torch.int8)
     y = torch._int_mm(padded, p.weight.T)[:num_rows].float()

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ascq.kernels import QuantLinearWeights
+from ascq.quantize.qmath import quantize_per_token, quantize_static_input
 
-INT8_MIN, INT8_MAX = -128, 127
+ACTIVATION_SCHEMES = ("w8a8_dynamic", "w8a8_static", "w4a8_dynamic")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -28,23 +29,23 @@ def dequantize_weight(w: QuantLinearWeights) -> torch.Tensor:
     return (w.weight.float() - zero) * scale
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric dynamic int8 quantization per row: (q as fp32 integer values, scale [..., 1])."""
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
-    return (x / scale).round().clamp(INT8_MIN, INT8_MAX), scale
+def integer_activations(x: torch.Tensor, w: QuantLinearWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v, scale), x ~= v * scale: the integer-valued fp32 activations (zero point removed) a W8A8/W4A8 kernel
+    multiplies, per token (`qmath.quantize_per_token`) or per tensor (`qmath.quantize_static_input`)."""
+    if w.scheme != "w8a8_static":
+        return quantize_per_token(x)
+    scale = w.input_scale.float().reshape(()).to(x.device)
+    zero = None if w.input_zero_point is None else w.input_zero_point.float().reshape(()).to(x.device)
+    q = quantize_static_input(x, scale, zero)
+    return (q if zero is None else q - zero), scale
 
 
 def fake_quantize_input(x: torch.Tensor, w: QuantLinearWeights) -> torch.Tensor:
     """The fp32 activation a W8A8/W4A8 kernel effectively multiplies: quantized to int8 then dequantized."""
-    if w.scheme in ("w8a8_dynamic", "w4a8_dynamic"):
-        q, scale = quantize_per_token(x)
-        return q * scale
-    if w.scheme == "w8a8_static":
-        scale = w.input_scale.float().reshape(())
-        zero = 0.0 if w.input_zero_point is None else w.input_zero_point.float().reshape(())
-        q = ((x / scale).round() + zero).clamp(INT8_MIN, INT8_MAX)
-        return (q - zero) * scale
-    return x
+    if w.scheme not in ACTIVATION_SCHEMES:
+        return x
+    v, scale = integer_activations(x, w)
+    return v * scale
 
 
 @dataclass
@@ -114,22 +115,27 @@ def paged_attention(
     v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query tokens over its whole cached context (this step included)."""
-    num_heads = query.shape[1]
     out = torch.empty_like(query)
     for s in range(len(seq_lens)):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
-        seq_len, query_len = int(seq_lens[s]), end - start
+        seq_len = int(seq_lens[s])
         keys = gather_sequence_kv(k_cache, block_tables[s], seq_len, k_scale)
         values = gather_sequence_kv(v_cache, block_tables[s], seq_len, v_scale)
-        group = num_heads // keys.shape[1]
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        q = query[start:end].float()
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-        query_positions = torch.arange(seq_len - query_len, seq_len)
-        visible = torch.arange(seq_len)[None, :] <= query_positions[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(query.dtype)
+        out[start:end] = causal_attention(query[start:end].float(), keys, values, scale).to(query.dtype)
     return out
+
+
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 attention of queries [Tq, H, D] (the last Tq positions) over keys/values [S, Hkv, D], causal, GQA by
+    repeating kv heads; also the reference models' attention (so converter and reference backend agree bit for bit)."""
+    num_heads, seq_len, query_len = q.shape[1], keys.shape[0], q.shape[0]
+    group = num_heads // keys.shape[1]
+    keys, values = keys.float().repeat_interleave(group, dim=1), values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
+    visible = torch.arange(seq_len, device=q.device)[None, :] <= query_positions[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
 
 
 def select_experts(

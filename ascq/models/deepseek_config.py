@@ -17,6 +17,7 @@ class DeepseekConfig:
     num_hidden_layers: int = 30
     num_attention_heads: int = 32
     num_key_value_heads: int | None = None
+    head_dim: int | None = None
     n_shared_experts: int | None = None
     n_routed_experts: int | None = None
     num_experts_per_tok: int | None = None
@@ -40,6 +41,8 @@ class DeepseekConfig:
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
             raise AscqError("deepseek config: hidden_size must divide by num_attention_heads, and those by num_key_value_heads")
         if self.hidden_act != "silu":
@@ -52,10 +55,6 @@ class DeepseekConfig:
             raise AscqError("deepseek config: num_experts_per_tok must be in 1..n_routed_experts")
         if self.moe_layer_freq < 1:
             raise AscqError("deepseek config: moe_layer_freq must be >= 1")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return bool(self.n_routed_experts) and layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
@@ -70,10 +69,13 @@ class DeepseekConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json content with the keys of deepseek-moe-16b-base's config (without auto_map)."""
+        fields = dataclasses.asdict(self)
+        if fields["head_dim"] == self.hidden_size // self.num_attention_heads:
+            del fields["head_dim"]  # deepseek-moe-16b-base's config has none
         return {
             "architectures": ["DeepseekForCausalLM"],
             "attention_dropout": 0.0,
-            **dataclasses.asdict(self),
+            **fields,
             "model_type": "deepseek",
             "pretraining_tp": 1,
             "torch_dtype": "bfloat16",

@@ -9,7 +9,6 @@ Module and parameter names are the Hugging Face tensor names, so `state_dict()` 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,77 +17,11 @@ from torch import nn
 
 from ascq.errors import AscqError
 from ascq.formats.safetensors import CheckpointReader
+from ascq.kernels.reference import select_experts
+from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, RMSNorm, rotary_for
 from ascq.models.deepseek_config import DeepseekConfig
 
-# kv_hook(key, value) -> (key, value) on post-RoPE keys/values [batch, kv_heads, seq, head_dim] (calibration, fp8 KV)
-KVHook = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
 __all__ = ["DeepseekConfig", "DeepseekDecoderLayer", "DeepseekForCausalLM", "DeepseekMoE", "load_deepseek"]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rotary_cos_sin(config: DeepseekConfig, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [batch, seq, head_dim] (HF layout: the frequencies repeated twice)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=position_ids.device) / dim))
-    positions = position_ids.float()
-    if config.rope_scaling is not None:
-        positions = positions / config.rope_scaling["factor"]
-    freqs = positions[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-class DeepseekAttention(nn.Module):
-    def __init__(self, config: DeepseekConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_cos_sin(self.config, position_ids.expand(batch, seq), x.dtype)
-        cos, sin = cos[:, None], sin[:, None]
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        if kv_hook is not None:
-            k, v = kv_hook(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-class DeepseekMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DeepseekMoE(nn.Module):
@@ -103,22 +36,21 @@ class DeepseekMoE(nn.Module):
         self.config = config
         self.gate = nn.Linear(config.hidden_size, config.n_routed_experts, bias=False)
         self.experts = nn.ModuleList(
-            DeepseekMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
+            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
         )
         self.shared_experts = None
         if config.n_shared_experts:
-            self.shared_experts = DeepseekMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
         self.aux_loss: torch.Tensor | None = None
         self.record_routing = False
         self.routed_token_counts = torch.zeros(config.n_routed_experts, dtype=torch.long, device="cpu")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router scores [tokens, experts] and the chosen (top-k weights, expert ids), each [tokens, k]."""
-        scores = self.gate(x).softmax(dim=-1)
-        topk_weight, topk_idx = torch.topk(scores, k=self.config.num_experts_per_tok, dim=-1, sorted=False)
-        if self.config.norm_topk_prob:
-            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
-        return scores, topk_weight, topk_idx
+        """Router scores [tokens, experts] and the chosen (top-k weights, expert ids), each [tokens, k]: the
+        runtime's router (`select_experts`: fp32 softmax, top-k, renormalized when norm_topk_prob)."""
+        logits = self.gate(x)
+        topk_weight, topk_idx = select_experts(logits, self.config.num_experts_per_tok, self.config.norm_topk_prob)
+        return logits.float().softmax(dim=-1), topk_weight.to(x.dtype), topk_idx
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = hidden_states.shape
@@ -150,22 +82,18 @@ class DeepseekMoE(nn.Module):
         return (scores.mean(0) * load).sum() * self.config.aux_loss_alpha
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = DeepseekAttention(config)
-        if config.is_moe_layer(layer_idx):
-            self.mlp: nn.Module = DeepseekMoE(config)
-        else:
-            self.mlp = DeepseekMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+def attention_shape(config: DeepseekConfig) -> AttentionShape:
+    return AttentionShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                          config.attention_bias, config.attention_bias)
 
-    def forward(
-        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None
-    ) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids, kv_hook)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+class DeepseekDecoderLayer(DecoderLayer):
+    def __init__(self, config: DeepseekConfig, layer_idx: int) -> None:
+        if config.is_moe_layer(layer_idx):
+            mlp: nn.Module = DeepseekMoE(config)
+        else:
+            mlp = MLP(config.hidden_size, config.intermediate_size)
+        super().__init__(attention_shape(config), mlp, config.rms_norm_eps, rotary_for(config.to_hf_dict()))
 
 
 class DeepseekModel(nn.Module):

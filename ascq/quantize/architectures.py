@@ -1,12 +1,12 @@
 """Per-architecture knowledge the streaming converter needs: build one decoder layer, run it, smoothing mappings.
 
-Llama-family configs (llama, mistral, qwen2) use transformers' own decoder layer classes; `model_type: deepseek`
-(DeepSeek-MoE v1) uses `ascq.models.deepseek_moe.DeepseekDecoderLayer`. Everything keeps Hugging Face names.
+Every family runs ascq's plain-PyTorch reference layer (`ascq.models.decoder.DecoderLayer`; DeepSeek-MoE v1 with
+`ascq.models.deepseek_moe.DeepseekMoE` as its MLP), which shares RMSNorm, rotary, router and attention with the
+runtime; transformers stays the Llama reference in the tests. Everything keeps Hugging Face names.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -15,21 +15,12 @@ import torch
 from torch import nn
 
 from ascq.errors import AscqError, UnsupportedError
-from ascq.models.deepseek_moe import KVHook
+from ascq.models import LLAMA_FAMILY, MODEL_TYPES
+from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, KVHook, head_dim_of, rotary_for
+from ascq.runtime.models.llama import check_llama_config
 
-LLAMA_FAMILY = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "deepseek")
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-
-
-class _KVHookCache:
-    """Duck-typed transformers `Cache` for one forward: passes each layer's new keys/values through a hook."""
-
-    def __init__(self, hook: KVHook) -> None:
-        self.hook = hook
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        return self.hook(key_states, value_states)
 
 
 class Architecture:
@@ -41,7 +32,7 @@ class Architecture:
         self.hidden_size = int(config["hidden_size"])
         self.num_heads = int(config["num_attention_heads"])
         self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
-        self.head_dim = int(config.get("head_dim") or self.hidden_size // self.num_heads)
+        self.head_dim = head_dim_of(config)
         self.rms_norm_eps = float(config["rms_norm_eps"])
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
 
@@ -54,7 +45,8 @@ class Architecture:
     def forward_layer(
         self, layer: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """One decoder layer on hidden [batch, seq, hidden] at position_ids [1 or batch, seq]."""
+        return layer(hidden, position_ids, kv_hook)
 
     def build_layer(self, index: int, state: dict[str, torch.Tensor]) -> nn.Module:
         """The decoder layer with the given (prefix-stripped) weights, in eval mode."""
@@ -84,25 +76,14 @@ class Architecture:
 class LlamaFamily(Architecture):
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        from transformers import AutoConfig
-
         self.model_type = config["model_type"]
-        self.hf_config = AutoConfig.for_model(self.model_type, **{k: v for k, v in config.items() if k != "model_type"})
-        self.hf_config._attn_implementation = "sdpa"
-        prefix = LLAMA_FAMILY[self.model_type]
-        module = importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
-        self.layer_class = getattr(module, f"{prefix}DecoderLayer")
-        self.rotary = getattr(module, f"{prefix}RotaryEmbedding")(self.hf_config)
+        check_llama_config(config)
+        qkv_bias = self.model_type == "qwen2" or bool(config.get("attention_bias"))
+        self.shape = AttentionShape.from_config(config, qkv_bias, bool(config.get("attention_bias")))
 
     def new_layer(self, index: int) -> nn.Module:
-        return self.layer_class(self.hf_config, index)
-
-    def forward_layer(self, layer, hidden, position_ids, kv_hook=None):
-        if self.rotary.inv_freq.device != hidden.device:
-            self.rotary.to(hidden.device)
-        cos, sin = self.rotary(hidden, position_ids)
-        cache = _KVHookCache(kv_hook) if kv_hook is not None else None
-        return layer(hidden, position_ids=position_ids, position_embeddings=(cos, sin), past_key_values=cache)
+        mlp = MLP(self.hidden_size, int(self.config["intermediate_size"]), bool(self.config.get("mlp_bias")))
+        return DecoderLayer(self.shape, mlp, self.rms_norm_eps, rotary_for(self.config))
 
 
 class DeepseekMoEArch(Architecture):
@@ -118,9 +99,6 @@ class DeepseekMoEArch(Architecture):
         from ascq.models.deepseek_moe import DeepseekDecoderLayer
 
         return DeepseekDecoderLayer(self.ds_config, index)
-
-    def forward_layer(self, layer, hidden, position_ids, kv_hook=None):
-        return layer(hidden, position_ids, kv_hook)
 
 
 def load_architecture(model_dir: Path) -> Architecture:

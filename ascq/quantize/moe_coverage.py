@@ -50,19 +50,6 @@ def _sort_key(name: str) -> tuple[str, int]:
     return (match["moe"], int(match["index"])) if match else (name, -1)
 
 
-def routed_expert_names(layer: nn.Module) -> list[str]:
-    """Names of the routed experts (`mlp.experts.E`) of a decoder layer, in index order; [] for dense layers."""
-    names = [name for name, _ in layer.named_modules() if _EXPERT.match(name)]
-    return sorted(names, key=_sort_key)
-
-
-def moe_block_of(expert: str) -> str:
-    match = _EXPERT.match(expert)
-    if not match:
-        raise ValueError(f"{expert} is not a routed expert module name")
-    return match["moe"]
-
-
 def num_tokens(inputs: list[torch.Tensor]) -> int:
     return sum(x.reshape(-1, x.shape[-1]).shape[0] for x in inputs)
 

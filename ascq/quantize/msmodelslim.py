@@ -16,6 +16,7 @@ import torch
 
 from ascq.errors import UnsupportedError
 from ascq.formats import msmodelslim as ms
+from ascq.models.decoder import head_dim_of
 from ascq.quantize.ct_writer import ShardWriter
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
@@ -40,8 +41,7 @@ def linear_input_sizes(config: dict[str, Any]) -> list[int]:
     dims = [config["hidden_size"], config.get("intermediate_size") or config["hidden_size"]]
     if config.get("moe_intermediate_size"):
         dims += [config["moe_intermediate_size"], config["moe_intermediate_size"] * (config.get("n_shared_experts") or 1)]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    dims.append(config["num_attention_heads"] * head_dim)
+    dims.append(config["num_attention_heads"] * head_dim_of(config))
     return dims
 
 

@@ -38,7 +38,6 @@ BATCH_SIZE = 8
 
 @dataclasses.dataclass
 class StreamResult:
-    files: list[str]
     qconfig: QuantizationConfig
     scheme: str
     fallbacks: dict[str, str]  # full linear name -> why its group size fell back to per-channel
@@ -183,8 +182,8 @@ def stream_convert(
     if "lm_head.weight" in reader:
         writer.add("lm_head.weight", reader.get("lm_head.weight"))
     ignored = ["lm_head", "model.embed_tokens", *ignored]  # tied or not (schemes.ALWAYS_IGNORE)
+    writer.finish()
     result = StreamResult(
-        files=writer.finish(),
         qconfig=quantization_config(schemes, fallback_targets, ignored),
         scheme="+".join(sorted(names_seen)) or "dense",
         fallbacks=fallbacks,

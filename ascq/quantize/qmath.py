@@ -123,11 +123,45 @@ def fake_quantize_weight(w: torch.Tensor, args: QuantizationArgs, scale_dtype: t
     return dequantize_weight(q, scale, zero_point, args).to(w.dtype)
 
 
+def quantize_per_token(x: torch.Tensor, num_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-token quantization over the last dim, as served: the one rule of the converter, every
+    backend and the NPU emulator.
+
+    vllm-ascend's `npu_dynamic_quant` (scale = rowMax(|x|) / 127, y = round(x / scale)) and vLLM's
+    `scaled_int8_quant` (scale = absmax / 127 in fp32, round half to even, saturate): `scale = absmax / qmax` in
+    fp32, `q = clamp(round_half_even(x / scale), qmin, qmax)`; a zero row gets scale 0 and q 0. vLLM's CUDA kernel
+    multiplies by 127 / absmax instead of dividing (it can differ at an exact tie). compressed-tensors' own
+    calibration-time fake quantization divides by 127.5 instead; serving does not. Returns (q as fp32 integer
+    values, scale fp32 [..., 1]).
+    """
+    qmin, qmax = int_range(num_bits)
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1, keepdim=True) / qmax
+    q = torch.round(x32 / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp(qmin, qmax)
+    return q, scale
+
+
 def per_token_fake_quantize(x: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
-    """Dynamic symmetric per-token fake quantization over the last dim (what `int8 dynamic token` serving does)."""
-    absmax = x.float().abs().amax(dim=-1, keepdim=True)
-    scale, _ = compute_qparams(-absmax, absmax, num_bits, symmetric=True, scale_dtype=x.dtype)
-    return fake_quantize(x, scale, None, num_bits)
+    """`quantize_per_token`, dequantized, in x.dtype: the activation a dynamic W8A8/W4A8 linear multiplies."""
+    q, scale = quantize_per_token(x, num_bits)
+    return (q * scale).to(x.dtype)
+
+
+def quantize_static_input(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None, num_bits: int = 8
+) -> torch.Tensor:
+    """Static per-tensor activation quantization as served (vLLM's static_scaled_int8(_azp)_quant, torch_npu's
+    npu_quantize): `q = clamp(round_half_even(x / scale) + zero_point)`, q as fp32 integer values."""
+    qmin, qmax = int_range(num_bits)
+    q = torch.round(x.float() / scale.float())
+    if zero_point is not None:
+        q = q + zero_point.float()
+    return q.clamp(qmin, qmax)
+
+
+def static_fake_quantize(x: torch.Tensor, scale: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
+    """`quantize_static_input` (symmetric), dequantized, in x.dtype."""
+    return (quantize_static_input(x, scale, None, num_bits) * scale.float()).to(x.dtype)
 
 
 def static_scale(absmax: float | torch.Tensor, num_bits: int, scale_dtype: torch.dtype) -> torch.Tensor:

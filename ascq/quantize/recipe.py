@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from ascq.errors import AscqError
-from ascq.paths import RECIPES_DIR
+from ascq.paths import shipped_recipes
 from ascq.quantize.modifier import Modifier
 from ascq.quantize.registry import modifier_classes
 from ascq.quantize.schemes import RecipeError, RecipeScheme
@@ -103,7 +103,7 @@ def parse_recipe(name: str, text: str) -> Recipe:
 
 
 def available_recipes() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(RECIPES_DIR.glob("*.yaml"))}
+    return shipped_recipes()
 
 
 def load_recipe(name_or_path: str) -> Recipe:

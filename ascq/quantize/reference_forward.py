@@ -23,6 +23,7 @@ from ascq.formats.safetensors import CheckpointReader
 from ascq.quantize import qmath
 from ascq.quantize.architectures import KVHook, architecture_from_config
 from ascq.quantize.schemes import LinearTarget, RecipeScheme, resolve_target
+from ascq.runtime.layers.rmsnorm import rms_norm
 
 
 def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None):
@@ -31,7 +32,7 @@ def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None
         if args.dynamic:
             x = qmath.per_token_fake_quantize(x, args.num_bits)
         else:
-            x = qmath.fake_quantize(x, input_scale.to(x.device), None, args.num_bits)
+            x = qmath.static_fake_quantize(x, input_scale.to(x.device), args.num_bits)
         return (x, *inputs[1:])
 
     return hook
@@ -56,11 +57,6 @@ def fp8_kv_hook(k_scale: torch.Tensor, v_scale: torch.Tensor) -> KVHook:
         return qmath.fp8_fake_quantize(key, k_scale.to(key.device)), qmath.fp8_fake_quantize(value, v_scale.to(value.device))
 
     return hook
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
 
 
 class QuantizedCheckpoint:
@@ -115,6 +111,6 @@ def reference_logits(entry_dir: str | Path, input_ids: torch.Tensor, device: str
         layer, _, kv_hook = ckpt.layer(index, device)
         hidden = arch.forward_layer(layer, hidden, position_ids, kv_hook=kv_hook)
         del layer
-    hidden = rms_norm(hidden, reader.get("model.norm.weight").to(device), arch.rms_norm_eps)
+    hidden = rms_norm(hidden, reader.get("model.norm.weight").float().to(device), arch.rms_norm_eps)
     head = "model.embed_tokens.weight" if arch.tie_word_embeddings and "lm_head.weight" not in reader else "lm_head.weight"
     return hidden @ reader.get(head).float().to(device).T

@@ -71,12 +71,13 @@ class LLMEngine:
             self.block_bytes = bytes_per_block(self.model, args.block_size, self.kv_cache_dtype)
             num_blocks = num_blocks_for(args.resolve_kv_cache_memory(free_before_load, module_bytes(self.model)), self.block_bytes, args.num_gpu_blocks_override)
             allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
-            self.runner = ModelRunner(self.model, args.block_size, self.device)
+            self.runner = ModelRunner(self.model, args.block_size, self.device, enforce_eager=args.enforce_eager)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.sampler = sampler or Sampler(args.seed, self.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}  # id(sequence) -> per prompt token
+        self._init_speculation(sampler)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.pending_outputs: list[RequestOutput] = []
@@ -154,8 +155,7 @@ class LLMEngine:
             return
         for sequence in sequences:
             if not sequence.is_finished:
-                self.scheduler.finish(sequence)
-                sequence.finish("abort")
+                self._finish(sequence, "abort")
         self.pending_outputs.append(self._output(request_id))
         self._forget(request_id)
 
@@ -174,9 +174,17 @@ class LLMEngine:
             self._record_prompt_logprobs(scheduled)
         self.scheduler.update_after_step(scheduled)
         advanced: dict[str, None] = {}
-        for request, result in zip(sampling, self._sample(logits, sampling) if sampling else [], strict=False):
-            self._append_token(request, result.token_id, result.logprobs)
+        if self.proposer is None:
+            results = [[r] for r in self._sample(logits, sampling)] if sampling else []
+        else:
+            results = self._verify(logits, sampling, scheduled)
+        for request, tokens in zip(sampling, results, strict=True):
+            for result in tokens:
+                if not request.is_finished:
+                    self._append_token(request, result.token_id, result.logprobs)
             advanced[request.request_id] = None
+        if self.proposer is not None:
+            self._propose(scheduled, sampling)
         for request_id in advanced:
             output = self._output(request_id)
             outputs.append(output)
@@ -239,6 +247,8 @@ class LLMEngine:
 
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.finish(request)
+        if self.proposer is not None:
+            self.proposer.forget(request)
         request.finish(reason, stop_reason)
 
     def _output(self, request_id: str) -> RequestOutput:
@@ -267,6 +277,75 @@ class LLMEngine:
             self.structured.remove(id(sequence))
             self.prompt_logprobs.pop(id(sequence), None)
 
+    # ---- speculative decoding (ascq/runtime/spec_decode/) ----------------------------------------------
+
+    def _init_speculation(self, custom_sampler: Callable | None) -> None:
+        self.proposer = self.rejection_sampler = None
+        self.num_spec_drafts = self.num_spec_draft_tokens = self.num_spec_accepted_tokens = 0
+        config = self.args.speculative_config
+        if config is None:
+            return
+        if custom_sampler is not None:
+            raise AscqError("a custom sampler cannot be combined with speculative_config (it cannot verify drafts)")
+        from ascq.runtime.spec_decode import make_proposer
+        from ascq.runtime.spec_decode.rejection_sampler import RejectionSampler
+
+        self.proposer = make_proposer(config, self)
+        self.rejection_sampler = RejectionSampler(self.sampler)
+
+    def _verify(self, logits: torch.Tensor, sampling: list[Request], scheduled: Any) -> list[list[Any]]:
+        """Tokens per sampled request: the sampler's one for requests without proposals, the rejection
+        sampler's accepted run + one for the others; their rejected KV is rolled back."""
+        spec_of = {id(r): spec for r, spec in zip(scheduled.requests, scheduled.spec_token_ids, strict=True)}
+        specs = [spec_of[id(r)] for r in sampling]
+        starts = [0]
+        for spec in specs:
+            starts.append(starts[-1] + 1 + len(spec))
+        plain = [i for i, spec in enumerate(specs) if not spec]
+        verified = [i for i, spec in enumerate(specs) if spec]
+        results: list[list[Any]] = [[] for _ in sampling]
+        if plain:
+            rows = torch.tensor([starts[i] for i in plain], device=logits.device)
+            for i, result in zip(plain, self._sample(logits[rows], [sampling[i] for i in plain]), strict=True):
+                results[i] = [result]
+        if verified:
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in verified]).to(logits.device)
+            requests = [sampling[i] for i in verified]
+            probs = [r.spec_token_probs[: len(specs[i])] if r.spec_token_probs is not None else None
+                     for i, r in zip(verified, requests, strict=True)]
+            accepted = self.rejection_sampler(logits[rows], requests, [specs[i] for i in verified], probs)
+            for i, tokens in zip(verified, accepted, strict=True):
+                results[i] = tokens
+                self.num_spec_drafts += 1
+                self.num_spec_draft_tokens += len(specs[i])
+                self.num_spec_accepted_tokens += len(tokens) - 1
+        return results
+
+    def _propose(self, scheduled: Any, sampling: list[Request]) -> None:
+        """Roll back rejected KV, then propose the next tokens for every request that just got one."""
+        for request, spec in zip(scheduled.requests, scheduled.spec_token_ids, strict=True):
+            if spec and not request.is_finished:
+                self.scheduler.rollback_rejected(request)
+            request.spec_token_ids, request.spec_token_probs = [], None
+        # structured-output requests run without proposals (their grammar would have to walk the drafts)
+        running = [r for r in sampling if not r.is_finished and id(r) not in self.structured.matchers]
+        if not running:
+            return
+        # room left: the last emitted token plus the proposals must stay within max_tokens and max_model_len
+        room = [min(r.params.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) - 1 for r in running]
+        for request, (tokens, probs) in zip(running, self.proposer.propose(running, room), strict=True):
+            request.spec_token_ids, request.spec_token_probs = tokens, probs
+
+    def spec_decode_stats(self) -> dict[str, float | int]:
+        drafts, proposed, accepted = self.num_spec_drafts, self.num_spec_draft_tokens, self.num_spec_accepted_tokens
+        return {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": proposed,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+        }
+
     def shutdown(self) -> None:
         """Stop the executor's worker processes (none in a single process)."""
         shutdown = getattr(self.runner, "shutdown", None)
@@ -287,4 +366,5 @@ class LLMEngine:
             "num_generation_tokens": self.num_generation_tokens,
             "num_cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
             "num_computed_tokens": self.scheduler.num_tokens_run,
+            **self.spec_decode_stats(),
         }

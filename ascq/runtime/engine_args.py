@@ -46,6 +46,7 @@ class EngineArgs:
     seed: int = 0
     tokenizer: str | Path | None = None
     served_model_name: str | None = None
+    speculative_config: Any = None  # vLLM's dict (or its JSON text); validated into a SpeculativeConfig
     performance_mode: str | None = None  # latency | throughput (PERFORMANCE_MODES), None: the knobs as given
     # vLLM's names: accepted with their meaning, or rejected with a reason (see check_vllm_args)
     gpu_memory_utilization: float | None = None  # share of free memory (RAM / HBM) for weights + KV cache
@@ -63,6 +64,11 @@ class EngineArgs:
     master_port: int | None = None
 
     def __post_init__(self) -> None:
+        from ascq.runtime.spec_decode.config import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None and self.world_size > 1:
+            raise UnsupportedError("speculative_config runs on one rank only (tensor/pipeline parallel size 1)")
         self._check_parallel()
         self.model = Path(self.model)
         self._apply_performance_mode()

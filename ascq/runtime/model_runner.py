@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -12,14 +13,18 @@ from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.request import Request
 from ascq.runtime.scheduler import SchedulerOutput
 
+logger = logging.getLogger(__name__)
 DEBUG_STEP_DELAY_ENV = "ASCQ_DEBUG_STEP_DELAY_MS"
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device, enforce_eager: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.enforce_eager = enforce_eager  # every step runs eagerly: no backend captures graphs yet
+        if not enforce_eager:
+            logger.info("enforce_eager=False: no graph capture on this backend yet; the model runs eagerly")
         # test-only: a deliberate per-step slowdown, so `ascq bench --compare` can be shown to catch regressions
         self.debug_step_delay_s = float(os.environ.get(DEBUG_STEP_DELAY_ENV, "0") or 0) / 1000
 
@@ -31,9 +36,10 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         bs = self.block_size
-        for request, num_new in zip(out.requests, out.num_scheduled_tokens, strict=True):
+        spec_token_ids = out.spec_token_ids or [[]] * len(out.requests)
+        for request, num_new, spec in zip(out.requests, out.num_scheduled_tokens, spec_token_ids, strict=True):
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-            input_ids.extend(request.token_ids[start:end])
+            input_ids.extend(request.token_ids[start:end] + spec if spec else request.token_ids[start:end])
             span = range(start, end)
             positions.extend(span)
             table = request.block_table
@@ -56,17 +62,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
-        """fp32 logits [R, vocab] for the requests whose scheduled chunk reaches their last token."""
+        """fp32 logits for the requests whose scheduled chunk reaches their last token: one row each, or with
+        k proposed tokens 1 + k rows (the last own token's and each proposed token's), in request order."""
         if self.debug_step_delay_s:
             time.sleep(self.debug_step_delay_s)
         input_ids, positions, meta, last_rows = self.prepare(out)
         hidden = self.model(input_ids, positions, meta)
         self.hidden_states = hidden  # every scheduled token's final hidden state (the engine's prompt_logprobs)
-        sampling = [
-            (row, request) for row, request, num_new in zip(last_rows, out.requests, out.num_scheduled_tokens, strict=True)
-            if request.num_computed_tokens + num_new == request.num_tokens
-        ]
+        spec_token_ids = out.spec_token_ids or [[]] * len(out.requests)
+        rows, sampling = [], []
+        for row, request, num_new, spec in zip(last_rows, out.requests, out.num_scheduled_tokens, spec_token_ids,
+                                               strict=True):
+            if request.num_computed_tokens + num_new == request.num_tokens + len(spec):
+                rows.extend(range(row - len(spec), row + 1))
+                sampling.append(request)
         if not sampling:
             return hidden.new_empty((0, 0), dtype=torch.float32), []
-        rows = torch.tensor([row for row, _ in sampling], device=hidden.device)
-        return self.model.compute_logits(hidden[rows]), [request for _, request in sampling]
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]), sampling

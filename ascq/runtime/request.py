@@ -35,7 +35,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hash chain over this request's full blocks, grown lazily
+        self.block_hashes: list[bytes] = []  # sha256 key chain over this request's full blocks, grown lazily
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
@@ -44,6 +44,10 @@ class Request:
         self.output_text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # speculative decoding: tokens proposed for the next step, and the draft's distribution over each
+        # (None: a proposer without one, n-gram); they become extra query rows when the scheduler fits them
+        self.spec_token_ids: list[int] = []
+        self.spec_token_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

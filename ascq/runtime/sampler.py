@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ascq.runtime.request import Request
+from ascq.runtime.sampling_params import SamplingParams
 from ascq.runtime.structured_output import apply_token_bitmask
 
 
@@ -42,6 +43,30 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution random sampling draws from, per row [S, V]: temperature, top-k / top-p, min-p, softmax.
+
+    Shared with speculative decoding's rejection sampler, so both sample the same distribution."""
+    logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    if bool((top_k > 0).any() or (top_p < 1).any()):
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    min_p = torch.tensor([p.min_p for p in params])
+    if bool((min_p > 0).any()):
+        logits = apply_min_p(logits, min_p)
+    return logits.softmax(dim=-1)
+
+
+def token_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:
+    """{token: logprob} of the sampled token plus the `num_top` most likely, from one row of log-softmax."""
+    top = {token_id: float(logprobs[token_id])}
+    if num_top > 0:
+        values, ids = logprobs.topk(num_top)
+        top.update(zip(ids.tolist(), values.tolist(), strict=True))
+    return top
 
 
 def padded(rows: list[list[int]], pad: int) -> torch.Tensor:
@@ -92,16 +117,7 @@ class Sampler:
                  token_bitmask: torch.Tensor | None = None) -> list[SampleResult]:
         """logits: fp32 [len(requests), vocab] on any device; sampling runs on the CPU. token_bitmask: xgrammar's
         int32 [len(requests), ceil(vocab / 32)] allowed-token bits (structured outputs)."""
-        logits = logits.float().cpu()
-        for i, request in enumerate(requests):
-            for processor in request.params.logits_processors:
-                logits[i] = _call_processor(processor, request, logits[i])
-        if token_bitmask is not None:
-            apply_token_bitmask(logits, token_bitmask)
-        logits = self._apply_bans_and_bias(logits, requests)
-        penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
-        if penalized:
-            logits[penalized] = self._penalize(logits[penalized], [requests[i] for i in penalized])
+        logits = self.process(logits, requests, token_bitmask)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
@@ -114,12 +130,26 @@ class Sampler:
             token_id = int(token_ids[i])
             top = None
             if request.params.logprobs is not None:
-                top = {token_id: float(logprobs[i, token_id])}
-                if request.params.logprobs > 0:
-                    values, ids = logprobs[i].topk(request.params.logprobs)
-                    top.update(zip(ids.tolist(), values.tolist(), strict=True))
+                top = token_logprobs(logprobs[i], token_id, request.params.logprobs)
             results.append(SampleResult(token_id, top))
         return results
+
+    def process(self, logits: torch.Tensor, requests: list[Request],
+                token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits pipeline up to (not including) temperature: fp32 on the CPU. Rows need only `params`,
+        `prompt_token_ids`, `output_token_ids` and `num_output_tokens` (speculative decoding passes views whose
+        output includes the proposed tokens before that row)."""
+        logits = logits.float().cpu()
+        for i, request in enumerate(requests):
+            for processor in request.params.logits_processors:
+                logits[i] = _call_processor(processor, request, logits[i])
+        if token_bitmask is not None:
+            apply_token_bitmask(logits, token_bitmask)
+        logits = self._apply_bans_and_bias(logits, requests)
+        penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        if penalized:
+            logits[penalized] = self._penalize(logits[penalized], [requests[i] for i in penalized])
+        return logits
 
     def _apply_bans_and_bias(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """allowed_token_ids, bad_words, min_tokens and logit_bias as sparse (row, token) updates of the batch."""
@@ -167,16 +197,7 @@ class Sampler:
             torch.tensor([r.params.presence_penalty for r in requests]))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.params for r in requests]
-        logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
-        top_k = torch.tensor([p.top_k for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
-        if bool((top_k > 0).any() or (top_p < 1).any()):
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        min_p = torch.tensor([p.min_p for p in params])
-        if bool((min_p > 0).any()):
-            logits = apply_min_p(logits, min_p)
-        probs = logits.softmax(dim=-1)
+        probs = sampling_probs(logits, [r.params for r in requests])
         return torch.cat([
             torch.multinomial(probs[i], 1, generator=request.generator or self.generator)
             for i, request in enumerate(requests)

@@ -5,6 +5,10 @@ prefilled in chunks over several steps while other requests decode. Waiting requ
 first served while blocks, the token budget and `max_num_seqs` allow (reusing prefix-cache hits). When a running
 request cannot get a block, the newest running request is preempted: its blocks are freed and it goes back to
 the front of the queue to be recomputed later (mostly from the prefix cache).
+
+Speculative decoding: a running request's proposed tokens (`spec_token_ids`) are scheduled after its own
+remaining tokens when the budget and the blocks allow (else it runs without them); after verification
+`rollback_rejected` moves `num_computed_tokens` back to the accepted tokens and frees the rejected tail.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from ascq.runtime.request import Request, RequestStatus
 @dataclass
 class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # own tokens + proposed tokens
+    spec_token_ids: list[list[int]] = field(default_factory=list)  # proposed tokens run per request
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -41,9 +46,6 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -51,8 +53,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(request, num_new):
+            num_own = request.num_tokens - request.num_computed_tokens
+            spec = request.spec_token_ids[: max(0, budget - num_own)]
+            if spec and not self.block_manager.allocate_slots(request, num_own + len(spec)):
+                spec = []
+            num_new = min(num_own, budget) + len(spec)
+            while not spec and not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -61,6 +67,7 @@ class Scheduler:
             else:
                 out.requests.append(request)
                 out.num_scheduled_tokens.append(num_new)
+                out.spec_token_ids.append(spec)
                 budget -= num_new
                 i += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -80,6 +87,7 @@ class Scheduler:
             self.running.append(request)
             out.requests.append(request)
             out.num_scheduled_tokens.append(num_new)
+            out.spec_token_ids.append([])
             budget -= num_new
         return out
 
@@ -97,6 +105,13 @@ class Scheduler:
         for request, num_new in zip(out.requests, out.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(request)
+
+    def rollback_rejected(self, request: Request) -> None:
+        """After verification: KV stays valid only up to the accepted tokens (the last emitted token has none
+        yet); free the blocks past them and publish the now-verified full blocks."""
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.block_manager.free_excess_slots(request)
+        self.block_manager.cache_full_blocks(request)
 
     def finish(self, request: Request) -> None:
         """Drop a finished or aborted request and free its blocks."""

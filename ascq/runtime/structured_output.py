@@ -10,6 +10,7 @@ error.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -58,8 +59,6 @@ def require_xgrammar() -> Any:
 
 
 def choice_regex(choices: list[str]) -> str:
-    import re
-
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
 
 
@@ -91,9 +90,10 @@ class StructuredOutputManager:
                 compiled = compiler.compile_regex(choice_regex(params.choice))
             else:
                 compiled = compiler.compile_grammar(params.grammar)
-        except (RuntimeError, ValueError) as exc:  # xgrammar reports bad input as RuntimeError
+        except Exception as exc:  # xgrammar reports bad input as RuntimeError (some as other types): user input
             kind = next(f.name for f in fields(params) if getattr(params, f.name) not in (None, False))
-            raise ValueError(f"invalid structured outputs {kind}: {' '.join(str(exc).split())[:300]}") from exc
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", " ".join(str(exc).split()))  # drop the C++ location
+            raise ValueError(f"invalid structured outputs {kind}: {reason[:300]}") from exc
         if len(self._compiled) >= MAX_CACHED_GRAMMARS:
             self._compiled.pop(next(iter(self._compiled)))
         self._compiled[params.key] = compiled

@@ -177,6 +177,19 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def resolve_local_model(name_or_path: str | os.PathLike) -> Path:
+    """A model folder to serve or generate from: a path, or a zoo entry name; a Hub id says how to pull it."""
+    text = str(name_or_path)
+    if Path(text).is_dir():
+        return Path(text)
+    if (zoo_root() / text).is_dir():
+        return zoo_root() / text
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        raise AscqError(f"{text} is not a local folder or zoo entry; if it is a Hub repo, fetch it first: "
+                        f"ascq zoo pull {text} (an ascq entry) or `hf download {text} --local-dir DIR`")
+    raise AscqError(f"model {text} not found: not a folder, and not an entry in the zoo at {zoo_root()}")
+
+
 @contextlib.contextmanager
 def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
     """Yield a staging folder beside `target`; on success it replaces `target` atomically, on error (Ctrl-C and

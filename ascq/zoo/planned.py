@@ -18,6 +18,7 @@ from compressed_tensors.quantization import QuantizationArgs
 
 from ascq.errors import AscqError
 from ascq.formats import compressed_tensors as ct
+from ascq.models.decoder import head_dim_of
 from ascq.zoo.manifest import (
     MANIFEST_NAME,
     list_entry_files,
@@ -79,7 +80,7 @@ def checkpoint_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...
     """(HF tensor name, shape) of every tensor of a Llama-family or DeepSeek-MoE v1 checkpoint."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     num_heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // num_heads
+    head_dim = head_dim_of(config)
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     tensors: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(config["num_hidden_layers"]):
@@ -138,7 +139,7 @@ def checkpoint_bytes(config: dict[str, Any], recipe: str | None) -> int:
 
 def kv_cache_bytes_per_token(config: dict[str, Any], kv_bytes: int = BF16_BYTES) -> int:
     num_heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    head_dim = head_dim_of(config)
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     return 2 * config["num_hidden_layers"] * num_kv_heads * head_dim * kv_bytes
 

@@ -142,8 +142,7 @@ def _check_linear(name: str, module: str, params: dict, scheme: Any, fmt: str, r
         raise AscqError(f"{name}: {module} lacks {', '.join(missing)} required by format {fmt} (has {', '.join(sorted(params))})")
     if fmt not in ct.SUPPORTED_FORMATS:
         return
-    weight_shape = reader.get(f"{module}.weight_shape") if "weight_shape" in params else None
-    out_features, in_features = ct.stored_shape(params, weight_shape)
+    out_features, in_features = ct.stored_shape(params, lambda param: reader.get(f"{module}.{param}"))
     expected = ct.linear_tensor_specs(scheme.weights, scheme.input_activations, out_features, in_features,
                                       params["weight_scale"][0])
     for param, (dtype, shape) in expected.items():

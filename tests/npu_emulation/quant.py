@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ascq.quantize.qmath import quantize_per_token
+
 from .contract import ACL_FORMAT_FRACTAL_NZ, ACL_FORMAT_ND, npu_format, require, require_dtype
 
 INT8_MIN, INT8_MAX = -128, 127
@@ -83,7 +85,7 @@ def npu_quantize(input: torch.Tensor, scales: torch.Tensor, zero_points: torch.T
 
 
 def npu_dynamic_quant(x: torch.Tensor, *, smooth_scales=None, group_index=None, dst_type=None):
-    """Per-token symmetric int8: scale = rowmax(|x|) / 127 (float32, shape x.shape[:-1]), y = round(x / scale)."""
+    """Per-token symmetric int8: scale = rowMax(|x|) / 127 (float32, shape x.shape[:-1]), y = round(x / scale)."""
     op = "npu_dynamic_quant"
     require_dtype(x, (torch.float16, torch.bfloat16), op, "x")
     require(x.dim() > 1, op, "x must have more than one dim")
@@ -91,8 +93,5 @@ def npu_dynamic_quant(x: torch.Tensor, *, smooth_scales=None, group_index=None, 
         raise NotImplementedError("npu_dynamic_quant emulator: smooth_scales / group_index are not modelled")
     if dst_type not in (None, torch.int8):
         raise NotImplementedError(f"npu_dynamic_quant emulator: dst_type {dst_type} is not modelled")
-    x32 = x.float()
-    scale = x32.abs().amax(dim=-1) / INT8_MAX
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = (x32 / safe.unsqueeze(-1)).round().clamp(INT8_MIN, INT8_MAX).to(torch.int8)
-    return y, scale
+    q, scale = quantize_per_token(x)  # the documented formula is the one ascq's converter and backends use
+    return q.to(torch.int8), scale.squeeze(-1)

@@ -1,4 +1,5 @@
-"""RMSNorm computed in fp32, with the residual add fused in (returns the new residual too)."""
+"""RMSNorm computed in fp32, with the residual add fused in (returns the new residual too); `rms_norm` is also the
+reference models' and the converter's."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ascq.runtime.layers.loadable import assign_parameter
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x), the statistics in fp32 (as transformers' LlamaRMSNorm): the one RMSNorm of ascq.
+    x * rsqrt(mean(x^2) + eps) runs as one fused op (the same math as the explicit ops, fewer dispatches)."""
+    x32 = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * x32.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -19,9 +27,7 @@ class RMSNorm(nn.Module):
         assign_parameter(self, param_name, tensor)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in fp32 as one fused op (the same math as the explicit ops, fewer dispatches)
-        x32 = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -7,12 +7,12 @@ from typing import Any
 from torch import nn
 
 from ascq.errors import UnsupportedError
+from ascq.models import LLAMA_FAMILY, MODEL_TYPES
 
+# `architectures` class name -> runtime model family (llama or deepseek), from the one model-type table
 ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "DeepseekForCausalLM": "deepseek",
+    f"{prefix}ForCausalLM": "llama" if model_type in LLAMA_FAMILY else model_type
+    for model_type, prefix in MODEL_TYPES.items()
 }
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ascq.errors import UnsupportedError
+from ascq.models.decoder import head_dim_of
 from ascq.runtime.layers.attention import Attention, AttentionMetadata
 from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ascq.runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -17,10 +18,6 @@ from ascq.runtime.layers.rmsnorm import RMSNorm
 from ascq.runtime.layers.rotary import RotaryEmbedding
 from ascq.runtime.models.weights import load_named_weights
 from ascq.runtime.parallel import divide, kv_heads_per_rank, tp_world_size
-
-
-def head_dim_of(config: dict[str, Any]) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
 class LlamaAttention(nn.Module):

@@ -87,7 +87,6 @@ class AsyncEngine:
         self._stopping = False
         self._dead = False
         self._drain_deadline: float | None = None
-        self.num_step_errors = 0
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -186,7 +185,6 @@ class AsyncEngine:
             if future is not None and not future.done():
                 future.set_result(None) if error is None else future.set_exception(ValueError(error))
         elif kind == "step_error":
-            self.num_step_errors += 1
             self._fail_all(APIError(500, "internal engine error", code="engine_error"))
 
     def _dispatch(self, deltas: list[Any]) -> None:

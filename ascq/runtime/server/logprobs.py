@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ascq.runtime.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from ascq.runtime.server.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    TokenLogprob,
+    TopLogprob,
+)
 
 MISSING_LOGPROB = -9999.0  # vLLM's stand-in when the sampled token's logprob is not known
 
@@ -27,6 +33,13 @@ class LogprobFormatter:
             result.text_offset.append(text_offset)
             text_offset += len(text)
         return result
+
+    def prompt(self, steps: list[dict[int, float] | None] | None) -> list[dict[str, PromptLogprob] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token {token id: {logprob, decoded_token}}; the first is None."""
+        if steps is None:
+            return None
+        return [None if step is None else {str(t): PromptLogprob(logprob=finite(lp), decoded_token=self._text(t))
+                                           for t, lp in step.items()} for step in steps]
 
     @staticmethod
     def concat(first: CompletionLogprobs | None, second: CompletionLogprobs | None) -> CompletionLogprobs | None:

@@ -18,7 +18,9 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 # engine counter (cumulative in get_stats) -> prometheus counter attribute
 ENGINE_COUNTERS = {"num_prompt_tokens": "prompt_tokens", "num_generation_tokens": "generation_tokens",
-                   "num_preemptions": "preemptions"}
+                   "num_preemptions": "preemptions", "spec_decode_num_drafts": "spec_num_drafts",
+                   "spec_decode_num_draft_tokens": "spec_num_draft_tokens",
+                   "spec_decode_num_accepted_tokens": "spec_num_accepted_tokens"}
 
 
 class ServerMetrics:
@@ -46,6 +48,13 @@ class ServerMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.spec_num_drafts = counter("vllm:spec_decode_num_drafts", "Speculative proposals verified.")
+        self.spec_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.")
+        self.spec_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
+        self.spec_acceptance_rate = gauge("vllm:spec_decode_draft_acceptance_rate",
+                                          "Accepted / proposed tokens since start.")
+        self.spec_mean_acceptance_length = gauge("ascq:spec_decode_mean_acceptance_length",
+                                                 "Tokens emitted per verification (accepted + 1) since start.")
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.",
@@ -61,6 +70,8 @@ class ServerMetrics:
         self.kv_cache_usage.set(stats["kv_cache_usage"])
         self.num_free_blocks.set(stats["num_free_blocks"])
         self.num_total_blocks.set(stats["num_total_blocks"])
+        self.spec_acceptance_rate.set(stats.get("spec_decode_acceptance_rate", 0.0))
+        self.spec_mean_acceptance_length.set(stats.get("spec_decode_mean_acceptance_length", 0.0))
         for key, attribute in ENGINE_COUNTERS.items():
             delta = int(stats[key]) - self._last_stats.get(key, 0)
             if delta > 0:

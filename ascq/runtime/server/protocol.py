@@ -159,6 +159,13 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own records; it does not change the output
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingFields:
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedFieldError("prompt_logprobs", "prompt_logprobs are not available when streaming (as in "
+                                        "vLLM)")
+        return self
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys_are_token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -305,12 +312,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str
+
+
+# vLLM's shape: one entry per prompt token (the first is None), {token id: logprob} of the token and the top-n
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class TopLogprob(BaseModel):
@@ -376,6 +393,7 @@ class CompletionResponse(ResponseBase):
 class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionChunk(ResponseBase):

@@ -134,7 +134,7 @@ class OpenAIServing:
         (final,) = await _final_outputs(group, request)
         choices = [self._chat_choice(o, body, top_n, mode) for o in final.outputs]
         response = ChatCompletionResponse(id=group.request_ids[0], model=self.model_name, choices=choices,
-                                          usage=_usage([final]))
+                                          usage=_usage([final]), prompt_logprobs=self.logprobs.prompt(final.prompt_logprobs))
         return JSONResponse(response.model_dump())
 
     def _chat_choice(self, o: Any, body: ChatCompletionRequest, top_n: int | None, mode: str | None) -> ChatChoice:
@@ -153,8 +153,9 @@ class OpenAIServing:
                 echoed = self.logprobs.completion(final.prompt_token_ids, final.prompt_logprobs, body.logprobs, 0)
                 logprobs = self.logprobs.concat(echoed, self.logprobs.completion(
                     o.token_ids, o.logprobs, body.logprobs, len(prompt_text)))
+        prompt_logprobs = self.logprobs.prompt(final.prompt_logprobs) if body.prompt_logprobs is not None else None
         return CompletionChoice(index=i * body.n + o.index, text=text, finish_reason=o.finish_reason,
-                                stop_reason=o.stop_reason, logprobs=logprobs)
+                                stop_reason=o.stop_reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _prompt_text(self, body: CompletionRequest, i: int, output: Any) -> str:
         prompt = body.prompts()[i]

@@ -1,0 +1,5 @@
+"""`python -m ascq`: the `ascq` command line."""
+
+from ascq.cli import main
+
+main()

@@ -1,0 +1,121 @@
+"""The plain-PyTorch reference decoder layer (Hugging Face module and tensor names) of every supported family:
+Llama-style attention (MHA/GQA, rotary, optional q/k/v and o biases) and a SiLU-gated MLP, or any `mlp` module
+(DeepSeek-MoE's routed experts). The converter calibrates and measures on it; transformers stays the independent
+reference in the tests.
+
+Its RMSNorm, rotary embedding and attention are the runtime's own functions (`rms_norm`, `RotaryEmbedding`, the reference backend's `causal_attention`), so the converter's fake-quantized logits are the
+reference backend's served logits bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ascq.errors import AscqError
+from ascq.kernels.reference import causal_attention
+from ascq.runtime.layers.rmsnorm import rms_norm
+from ascq.runtime.layers.rotary import RotaryEmbedding
+
+# kv_hook(key, value) -> (key, value) on post-RoPE keys/values [batch, kv_heads, seq, head_dim] (calibration, fp8 KV)
+KVHook = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def head_dim_of(config: dict[str, Any]) -> int:
+    """The attention head size: the config's `head_dim`, else hidden_size / num_attention_heads (the one rule)."""
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise AscqError(f"num_attention_heads {self.num_heads} must divide by num_key_value_heads {self.num_kv_heads}")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], qkv_bias: bool, o_bias: bool) -> AttentionShape:
+        num_heads = int(config["num_attention_heads"])
+        return cls(int(config["hidden_size"]), num_heads, int(config.get("num_key_value_heads") or num_heads),
+                   head_dim_of(config), qkv_bias, o_bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: AttentionShape, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.shape = shape
+        self.rotary_emb = rotary
+        hidden, q_size, kv_size = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=shape.o_bias)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
+        """x [batch, seq, hidden] at position_ids [1 or batch, seq]."""
+        batch, seq, _ = x.shape
+        s = self.shape
+        q = self.q_proj(x).view(batch, seq, s.num_heads, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        cos_sin = self.rotary_emb.cos_sin(position_ids.expand(batch, seq), x.dtype)  # [batch, 1, seq, head_dim]
+        q, k = self.rotary_emb.rotate(q, cos_sin), self.rotary_emb.rotate(k, cos_sin)
+        if kv_hook is not None:
+            k, v = kv_hook(k, v)
+        out = torch.stack([
+            causal_attention(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), s.head_dim**-0.5)
+            for b in range(batch)
+        ]).to(x.dtype)
+        return self.o_proj(out.reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block with HF names (self_attn, mlp, input_layernorm, post_attention_layernorm)."""
+
+    def __init__(self, shape: AttentionShape, mlp: nn.Module, rms_norm_eps: float, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(shape, rotary)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(shape.hidden_size, rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids, kv_hook)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def rotary_for(config: dict[str, Any]) -> RotaryEmbedding:
+    """The runtime's rotary embedding for a config (cos/sin tables up to max_position_embeddings)."""
+    return RotaryEmbedding(config, head_dim_of(config), int(config.get("max_position_embeddings", 2048)))
