@@ -61,8 +61,6 @@ def test_engine_kwargs_checked(tiny_llama_dir) -> None:
         LLM(str(tiny_llama_dir), swap_space=4)
     with pytest.raises(UnsupportedError, match="cpu_offload_gb"):
         LLM(str(tiny_llama_dir), cpu_offload_gb=2)
-    with pytest.raises(UnsupportedError, match="tensor_parallel_size 2"):
-        LLM(str(tiny_llama_dir), tensor_parallel_size=2)
     with pytest.raises(AscqError, match="not quantized"):
         LLM(str(tiny_llama_dir), quantization="compressed-tensors")
     with pytest.raises(AscqError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
