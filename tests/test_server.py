@@ -60,16 +60,26 @@ def launch_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | N
     raise AssertionError(f"server did not start within {startup_timeout_s} s:\n{log_path.read_text()[-3000:]}")
 
 
+def stop_server(process: subprocess.Popen, log_path: Path, secret: str) -> None:
+    """SIGTERM drain; the process is killed on every path (a failed wait too); then the log checks."""
+    try:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = log_path.read_text()
+    assert "Traceback" not in log, log[log.find("Traceback"):][:5000]
+    assert secret not in log
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     process, base_url = launch_server(tiny_llama_dir, log_path, "--served-model-name", "tiny-llama", api_key=API_KEY)
     yield base_url, log_path
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=20) == 0
-    log = log_path.read_text()
-    assert "Traceback" not in log, log[log.find("Traceback"):][:5000]
-    assert API_KEY not in log
+    stop_server(process, log_path, API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,11 @@ against `ascq serve --tensor-parallel-size 2` (engine core + one worker rank ove
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 from test_server import *  # noqa: F403  (the tests themselves, run again with the fixture below)
-from test_server import API_KEY, launch_server
+from test_server import API_KEY, launch_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +18,4 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     process, base_url = launch_server(tiny_llama_dir, log_path, "--served-model-name", "tiny-llama",
                                       "--tensor-parallel-size", "2", api_key=API_KEY, startup_timeout_s=300)
     yield base_url, log_path
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=20) == 0
-    log = log_path.read_text()
-    assert "Traceback" not in log, log[log.find("Traceback"):][:5000]
-    assert API_KEY not in log
+    stop_server(process, log_path, API_KEY)
