@@ -66,6 +66,7 @@ class LLMEngine:
         self.vocab_size = int(config["vocab_size"])
         torch.manual_seed(args.seed)
         args.check_quantization(config)
+        args.check_parallel_layout(config)
         self.kv_cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
         if args.world_size > 1:  # ranks in their own processes; this one is rank 0 (runtime/distributed)
             num_blocks = self._init_distributed(args, config)
