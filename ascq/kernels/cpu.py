@@ -1,6 +1,6 @@
 """CPU backend: the fastest measured path per scheme and batch size M on this CPU (AVX2 + FMA, no VNNI / AMX).
 
-Paths (thresholds from `python benchmarks/kernels.py`; table in the README "Kernels" section):
+Paths (thresholds from `python benchmarks/kernel_speed.py`; table in the README "Kernels" section):
 - `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2), so from M >= DENSE_BF16_MAX_M the bf16
   weight is copied into an fp32 workspace and multiplied in fp32.
 - `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
