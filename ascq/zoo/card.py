@@ -12,7 +12,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ascq.formats.safetensors import atomic_write
+from ascq.atomic_file import atomic_write
 from ascq.paths import RECIPES_DIR, zoo_root
 from ascq.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
 
