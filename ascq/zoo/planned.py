@@ -134,11 +134,12 @@ def plan(config: dict[str, Any], recipes: list[str], num_seqs_options: tuple[int
 
 
 def write_planned_entry(target: Path, config: dict[str, Any], commands: dict[str, str], recipes: list[str],
-                        **manifest_fields: Any) -> dict[str, Any]:
-    """Write an entry holding only config.json and a manifest whose `planned` section says how to produce it."""
+                        extra_plan: dict[str, Any] | None = None, **manifest_fields: Any) -> dict[str, Any]:
+    """Write an entry holding only config.json and a manifest whose `planned` section says how to produce it
+    (`extra_plan`: more keys for that section, e.g. per-rank memory)."""
     with staged_entry(Path(target)) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        planned = {"weights": False, "commands": commands, **plan(config, recipes)}
+        planned = {"weights": False, "commands": commands, **plan(config, recipes), **(extra_plan or {})}
         manifest = write_manifest(staging, new_manifest(Path(target).name, planned=planned, **manifest_fields))
     return manifest
 
