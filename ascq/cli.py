@@ -204,6 +204,10 @@ NumNodes = Annotated[int, typer.Option(help="Nodes the ranks are spread over (eq
 NodeRank = Annotated[int, typer.Option(help="This node's index; node 0 runs the engine, others only ranks.")]
 MasterAddr = Annotated[str, typer.Option(help="Node 0's address for the rendezvous.")]
 MasterPort = Annotated[int | None, typer.Option(help="Rendezvous port on node 0 (default: a free one, one node).")]
+SpeculativeConfig = Annotated[str | None, typer.Option(
+    help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+         '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')]
 
 
 def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int, enable_expert_parallel: bool,
@@ -220,13 +224,14 @@ def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int, enable
 @app.command("generate")
 def generate(
     model: Annotated[str, typer.Argument(help="Model folder or zoo entry name (a zoo entry or a Hugging Face checkpoint).")],
-    prompt: Annotated[list[str], typer.Option(help="Prompt text; repeat for a batch.")],
+    prompt: Annotated[list[str] | None, typer.Option(help="Prompt text; repeat for a batch.")] = None,
+    chat: Annotated[list[str] | None, typer.Option(
+        help="A user message, answered through the model's chat template; repeat for a batch.")] = None,
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens (0 = off).")] = 0,
     seed: Annotated[int | None, typer.Option(help="Sampling seed per request.")] = None,
-    chat: Annotated[bool, typer.Option(help="Wrap each prompt as a user message in the chat template.")] = False,
     device: Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto, float32, bfloat16, float16.")] = "auto",
     kv_cache_dtype: Annotated[str, typer.Option(help="auto or fp8 (e4m3).")] = "auto",
@@ -242,18 +247,17 @@ def generate(
     tensor_parallel_size: TensorParallelSize = 1,
     pipeline_parallel_size: PipelineParallelSize = 1,
     enable_expert_parallel: EnableExpertParallel = False,
-    speculative_config: Annotated[str | None, typer.Option(
-        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
-             '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
+    speculative_config: SpeculativeConfig = None,
 ) -> None:
-    """Generate text for one or more prompts offline and print it."""
+    """Generate text for one or more prompts (--prompt) or chat messages (--chat) offline and print it."""
     from ascq.quantize.convert import check_device
     from ascq.runtime.llm import LLM
     from ascq.runtime.sampling_params import SamplingParams
     from ascq.zoo.manifest import resolve_local_model
     from ascq.zoo.planned import require_weights
 
+    if bool(prompt) == bool(chat):
+        raise AscqError("give --prompt TEXT or --chat MESSAGE (each may repeat), not both and not neither")
     model = resolve_local_model(model)  # a path or a zoo entry name
     require_weights(model)  # a planned zoo entry: say which command produces its weights
     check_device(device)  # --device cuda without CUDA, npu without torch_npu: one line, not a traceback
@@ -268,7 +272,7 @@ def generate(
                   speculative_config=speculative_config)
         with llm:
             if chat:
-                outputs = llm.chat([[{"role": "user", "content": p}] for p in prompt], params)
+                outputs = llm.chat([[{"role": "user", "content": message}] for message in chat], params)
             else:
                 outputs = llm.generate(list(prompt), params)
     except ValueError as exc:
@@ -315,10 +319,7 @@ def serve(
     node_rank: NodeRank = 0,
     master_addr: MasterAddr = "127.0.0.1",
     master_port: MasterPort = None,
-    speculative_config: Annotated[str | None, typer.Option(
-        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
-             '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
+    speculative_config: SpeculativeConfig = None,
 ) -> None:
     """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
 

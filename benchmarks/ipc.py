@@ -17,7 +17,7 @@ from ascq.runtime.engine_core import CompletionDelta, OutputDelta
 
 
 def step_message(num_requests: int) -> tuple:
-    deltas = [OutputDelta(f"cmpl-{i:024x}", False, 0, [CompletionDelta(0, 40, " tok", [1234], None, None, None, None)])
+    deltas = [OutputDelta(f"cmpl-{i:024x}", False, 0, [CompletionDelta(0, [1234], None, None, None)])
               for i in range(num_requests)]
     stats = {"num_running": num_requests, "num_waiting": 0, "num_free_blocks": 100, "num_total_blocks": 512,
              "kv_cache_usage": 0.8, "num_preemptions": 0, "num_prompt_tokens": 4096, "num_generation_tokens": 2048,

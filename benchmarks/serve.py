@@ -11,33 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
+from ascq.errors import AscqError
 from ascq.runtime.bench_serve import BenchServeOptions, format_report, random_prompts, run_bench_serve
-
-
-def start_server(model: str, port: int, max_num_seqs: int, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "ascq.cli", "serve", model, "--port", str(port),
-               "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory", str(256 << 20)]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"server did not start:\n{log.read_text()[-2000:]}")
+from ascq.runtime.server.launcher import launch_server, stop_server
 
 
 def offline_output_throughput(llm, options: BenchServeOptions) -> float:
@@ -62,19 +43,20 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     parser.add_argument("--rounds", type=int, default=3, help="served / offline pairs, alternating")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    options = BenchServeOptions(base_url=f"http://127.0.0.1:{port}", num_prompts=args.num_prompts,
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    try:
+        server, base_url = launch_server(args.model, log, "--max-num-seqs", str(args.max_concurrency),
+                                         "--kv-cache-memory", str(256 << 20))
+    except AscqError as exc:
+        raise SystemExit(str(exc)) from None
+    options = BenchServeOptions(base_url=base_url, num_prompts=args.num_prompts,
                                 request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                                 input_len=args.input_len, output_len=args.output_len)
-    log = Path(tempfile.mkdtemp()) / "server.log"
-    server = start_server(args.model, port, args.max_concurrency, log)
-    from ascq import LLM
-
-    llm = LLM(args.model, max_num_seqs=args.max_concurrency, kv_cache_memory=256 << 20)
     ratios, offline_runs = [], []
     try:
+        from ascq import LLM
+
+        llm = LLM(args.model, max_num_seqs=args.max_concurrency, kv_cache_memory=256 << 20)
         run_bench_serve(BenchServeOptions(**{**vars(options), "num_prompts": 2}))  # warm-up
         for _ in range(args.rounds):  # alternating, so machine load affects both sides alike
             metrics = run_bench_serve(options)
@@ -84,8 +66,7 @@ def main() -> None:
             print(f"round {len(ratios)}: served {metrics['output_throughput']:.1f} tok/s, offline {offline:.1f} tok/s, "
                   f"ratio {ratios[-1]:.2f}", flush=True)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(30)
+        stop_server(server)
     print(format_report(metrics, options))
     print(f"{'Offline LLM.generate (tok/s):':<34}{offline:>12.2f}")
     print(f"{'Served / offline output tok/s:':<34}{metrics['output_throughput'] / offline:>12.2f}")

@@ -20,8 +20,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +29,9 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from ascq.errors import AscqError
+from ascq.runtime.server.launcher import idle_metrics, launch_server, stop_server
 
 API_KEY = "soak-key"
 PROMPTS = ["def parse_args(argv):\n    ", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self",
@@ -53,38 +54,13 @@ HOSTILE = [  # (path, httpx kwargs)
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, VLLM_API_KEY=API_KEY, OMP_NUM_THREADS=str(args.threads))
-    command = [sys.executable, "-m", "ascq.cli", "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
-               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", "512", "--max-num-seqs", "32"]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(process)
-    raise SystemExit(f"server did not start:\n{log.read_text()[-2000:]}")
-
-
-def stop_server(process: subprocess.Popen) -> int | None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-    return process.returncode
+    try:
+        return launch_server(args.model, log, "--host", "127.0.0.1", "--kv-cache-memory", str(args.kv_cache_memory),
+                             "--max-model-len", "512", "--max-num-seqs", "32", env=env)
+    except AscqError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def request_body(rng: random.Random, chat: bool, stream: bool) -> dict:
@@ -236,26 +212,6 @@ async def run_load(base_url: str, pid: int, args: argparse.Namespace) -> tuple[R
     return rec, rss
 
 
-def metrics(base_url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=10).text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
-
-
-def idle_metrics(base_url: str, timeout_s: float = 30) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        values = metrics(base_url)
-        idle = values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
-        if idle and values["ascq:num_free_blocks"] == values["ascq:num_total_blocks"] or time.monotonic() > deadline:
-            return values
-        time.sleep(0.5)
-
-
 def p99_windows(latencies: list[tuple[float, float]], duration: float, num_windows: int) -> list[dict]:
     width = duration / num_windows
     windows = []
@@ -313,10 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the report as JSON here too")
     args = parser.parse_args(argv)
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkstemp(prefix="ascq-soak-", suffix=".log")[1])
-    process = start_server(args, port, log)
+    process, base_url = start_server(args, log)
     try:
         rec, rss = asyncio.run(run_load(base_url, process.pid, args))
         final = idle_metrics(base_url)

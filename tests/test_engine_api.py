@@ -79,10 +79,20 @@ def test_generate_cli(tiny_llama_dir, tmp_path):
     assert done.stdout == expected[0].outputs[0].text + "\n"
 
 
+def test_generate_cli_chat_applies_the_chat_template(tiny_llama_dir, capsys):
+    from ascq.cli import main
+
+    main(["generate", str(tiny_llama_dir), "--chat", "hello", "--max-tokens", "5", "--kv-cache-memory", str(KV_MEMORY)])
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory=KV_MEMORY)
+    expected = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=5))[0]
+    assert capsys.readouterr().out == expected.outputs[0].text + "\n"
+
+
 def test_generate_cli_errors_are_one_line(tmp_path, random_llama_dir, capsys):
     from ascq.cli import main
 
-    for args in ([str(tmp_path), "--prompt", "x"], [str(random_llama_dir), "--prompt", "x", "--temperature", "-1"]):
+    for args in ([str(tmp_path), "--prompt", "x"], [str(random_llama_dir), "--prompt", "x", "--temperature", "-1"],
+                 [str(random_llama_dir)], [str(random_llama_dir), "--prompt", "x", "--chat", "y"]):
         with pytest.raises(SystemExit) as exc:
             main(["generate", *args])
         err = capsys.readouterr().err

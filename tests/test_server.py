@@ -4,87 +4,81 @@ official `openai` client and httpx. One server for the whole module."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from ascq.errors import AscqError
+from ascq.runtime.server import launcher
 
 API_KEY = "test-key-5f2c9a"
 PROMPTS = ["def parse_args(argv):\n    ", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self"]
 
 
-# ---- server process ------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- server process (ascq/runtime/server/launcher.py) --------------------------------------------------
 
 
 def launch_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None,
                   startup_timeout_s: float = 120.0, env_vars: dict[str, str] | None = None
                   ) -> tuple[subprocess.Popen, str]:
-    """Start `python -m ascq.cli serve` and wait until /health answers; returns (process, base url)."""
-    port = free_port()
+    """`ascq serve` with a small KV cache, one thread, no inherited API key; returns (process, base url)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ASCQ_API_KEY", None)
     env.pop("VLLM_API_KEY", None)
     env.update(env_vars or {})
     if api_key:
         env["ASCQ_API_KEY"] = api_key  # via the environment: a key on the command line shows in `ps`
-    command = [sys.executable, "-m", "ascq.cli", "serve", str(model_dir), "--port", str(port),
-               "--kv-cache-memory", str(64 << 20), "--max-model-len", "512", *extra]
-    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                return process, base_url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    process.kill()
-    raise AssertionError(f"server did not start within {startup_timeout_s} s:\n{log_path.read_text()[-3000:]}")
+    try:
+        return launcher.launch_server(model_dir, log_path, "--kv-cache-memory", str(64 << 20), "--max-model-len",
+                                      "512", *extra, env=env, startup_timeout_s=startup_timeout_s)
+    except AscqError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def stop_server(process: subprocess.Popen, log_path: Path, secret: str) -> None:
-    """SIGTERM drain; the process is killed on every path (a failed wait too); then the log checks."""
-    try:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=20) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    """SIGTERM drain; the process is killed on every path (a drain that does not finish too); then the log checks."""
+    assert launcher.stop_server(process, timeout_s=20) == 0
     log = log_path.read_text()
     assert "Traceback" not in log, log[log.find("Traceback"):][:5000]
     assert secret not in log
 
 
+@contextlib.contextmanager
+def running_server(model_dir: Path, log_dir: Path, *extra: str, api_key: str | None = None,
+                   env_vars: dict[str, str] | None = None, secret: str | None = None,
+                   startup_timeout_s: float = 120.0) -> Iterator[tuple[str, Path]]:
+    """A module's server: (base url, log path) while it runs; stopped and its log checked afterwards."""
+    log_path = log_dir / "server.log"
+    process, base_url = launch_server(model_dir, log_path, *extra, api_key=api_key, env_vars=env_vars,
+                                      startup_timeout_s=startup_timeout_s)
+    try:
+        yield base_url, log_path
+    finally:
+        stop_server(process, log_path, secret or api_key)
+
+
+def openai_client(server: tuple[str, Path], api_key: str, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    process, base_url = launch_server(tiny_llama_dir, log_path, "--served-model-name", "tiny-llama", api_key=API_KEY)
-    yield base_url, log_path
-    stop_server(process, log_path, API_KEY)
+    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("server"), "--served-model-name", "tiny-llama",
+                        api_key=API_KEY) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return openai_client(server, API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -94,25 +88,12 @@ def llm(tiny_llama_dir: Path):
     return LLM(str(tiny_llama_dir), max_model_len=512, kv_cache_memory=16 << 20)
 
 
-def metrics(base_url: str) -> dict[str, float]:
-    """Samples of /metrics by name (labels dropped, summed), parsed by prometheus_client's own parser."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
+free_port = launcher.free_port
+metrics = launcher.server_metrics
 
 
 def wait_idle(base_url: str, timeout_s: float = 20.0) -> dict[str, float]:
-    """Metrics once no request runs or waits (aborts are applied asynchronously by the engine thread)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        values = metrics(base_url)
-        idle = values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
-        if idle and values["ascq:num_free_blocks"] == values["ascq:num_total_blocks"] or time.monotonic() > deadline:
-            return values
-        time.sleep(0.2)
+    return launcher.idle_metrics(base_url, timeout_s)
 
 
 # ---- OpenAI client: completions and chat, greedy equals LLM.generate ------------------------------------

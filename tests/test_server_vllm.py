@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import free_port, launch_server, stop_server
+from test_server import free_port, openai_client, running_server
 
 from ascq.runtime.server.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 
@@ -34,19 +34,16 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    process, base_url = launch_server(tiny_llama_dir, log_path, "--served-model-name", "tiny-llama",
-                                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                      "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
-                                      "--enforce-eager", "--tensor-parallel-size", "1",
-                                      env_vars={"VLLM_API_KEY": KEY})  # vLLM's variable
-    yield base_url, log_path
-    stop_server(process, log_path, KEY)
+    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("server"), "--served-model-name", "tiny-llama",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--no-enable-prefix-caching",
+                        "--gpu-memory-utilization", "0.5", "--enforce-eager", "--tensor-parallel-size", "1",
+                        env_vars={"VLLM_API_KEY": KEY}, secret=KEY) as running:  # vLLM's variable
+        yield running
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0, timeout=120)
+    return openai_client(server, KEY, timeout=120)
 
 
 @pytest.fixture(scope="module")

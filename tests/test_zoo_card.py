@@ -60,3 +60,12 @@ def test_card_is_stable_once_recorded(zoo: Path) -> None:
     assert run("zoo", "card", str(entry)) == 0
     first = (entry / "README.md").read_text()
     assert render_card(entry) == first
+
+
+def test_card_of_an_entry_outside_the_zoo_names_no_local_path(zoo: Path, tmp_path: Path) -> None:
+    import shutil
+
+    outside = tmp_path / "elsewhere" / "my-w4a16"
+    shutil.copytree(zoo / "tiny-test-llama-w4a16", outside)
+    text = render_card(outside)
+    assert str(tmp_path) not in text and "ascq serve my-w4a16" in text

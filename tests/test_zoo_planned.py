@@ -14,7 +14,7 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-from zoo_builder import LLAMA, write_dense_entry
+from zoo_builder import write_dense_entry
 
 from ascq.cli import main
 from ascq.errors import AscqError
@@ -56,7 +56,8 @@ def test_deepseek_moe_16b_tensors_and_parameter_count_match_the_reference_model(
 
 def test_dense_size_matches_a_transformers_checkpoint(tmp_path: Path) -> None:
     entry = write_dense_entry(tmp_path / "dense")
-    assert checkpoint_bytes(LLAMA, None) == payload_bytes(entry)
+    config = json.loads((entry / "config.json").read_text())  # transformers' own config.json of LLAMA
+    assert checkpoint_bytes(config, None) == payload_bytes(entry)
 
 
 @pytest.mark.slow  # converts tiny-llama (cached for the session, shared with test_convert)

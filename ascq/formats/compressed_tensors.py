@@ -5,6 +5,7 @@
   points packed along the output dim).
 - `decompress_linear`: the on-disk tensors -> the signed-int convention of docs/ARCHITECTURE.md
   (`weight` int8 values, `weight_scale`, `zero_point` int8 or absent, `input_scale`, `bias` as stored).
+- `scheme_name`: the kernels' name for a config group's weights + activations (w8a8_dynamic, w4a16, ...).
 - `match_scheme`: which config group a module gets (the library's matcher: ignore first, then the most specific
   target: exact name, regex, class name), as transformers and vLLM pick it.
 - `linear_tensor_specs` / `linear_bytes`: the tensor names, safetensors dtypes and shapes a linear is stored as
@@ -41,6 +42,13 @@ def compression_format(weights: QuantizationArgs, input_activations: Quantizatio
     """The on-disk format compressed-tensors itself picks for a scheme (int-quantized / pack-quantized)."""
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=input_activations)
     return infer_module_format(nn.Linear, scheme).value
+
+
+def scheme_name(weights: QuantizationArgs, input_activations: QuantizationArgs | None) -> str:
+    """ascq's scheme name (docs/ARCHITECTURE.md) for int weights + activations: w{4,8}a16, w{4,8}a8_{dynamic,static}."""
+    if input_activations is None:
+        return f"w{weights.num_bits}a16"
+    return f"w{weights.num_bits}a8_{'dynamic' if input_activations.dynamic else 'static'}"
 
 
 def match_scheme(

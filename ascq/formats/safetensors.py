@@ -1,4 +1,4 @@
-"""The one safetensors checkpoint reader (and the one atomic file write) of ascq.
+"""The one safetensors checkpoint reader of ascq.
 
 A checkpoint folder is read through its shard index (`*.safetensors.index.json`) when it has one, else
 `model.safetensors`, else every `*.safetensors` file. Every shard's header is checked against its file size up
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,27 +22,6 @@ from ascq.errors import AscqError
 
 INDEX_NAME = "model.safetensors.index.json"
 INDEX_SUFFIX = ".safetensors.index.json"
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file beside it, so readers see the old or the new file."""
-    try:
-        with atomic_output(Path(path)) as tmp:
-            tmp.write_bytes(data)
-    except OSError as exc:
-        raise AscqError(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
-@contextlib.contextmanager
-def atomic_output(path: Path) -> Iterator[Path]:
-    """A temporary path beside `path` to write; it replaces `path` when the block succeeds, else it is removed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _read_header(path: Path) -> dict[str, dict]:

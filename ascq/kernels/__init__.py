@@ -16,8 +16,10 @@ A backend is a module (`reference`, `cpu`, `cuda`, `npu`) with these functions; 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -142,6 +144,15 @@ def merge_output_dim(parts: list[QuantLinearWeights]) -> QuantLinearWeights:
         input_zero_point=input_zero_point,
         bias=cat("bias"),
     )
+
+
+def linear_over_rows(linear_rows: Callable[[torch.Tensor, Any], torch.Tensor], x: torch.Tensor, prepared: Any) -> torch.Tensor:
+    """A backend's `linear` from its 2-D one: `linear_rows(rows [N, in], prepared) -> [N, out]` applied to x [..., in],
+    the result in x.dtype; no kernel sees N = 0. `prepared` must have `out_features`."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], prepared.out_features)
+    return linear_rows(rows, prepared).to(x.dtype).reshape(*x.shape[:-1], prepared.out_features)
 
 
 def get_backend(device: str | torch.device) -> ModuleType:

@@ -1,6 +1,6 @@
 """CPU backend: the fastest measured path per scheme and batch size M on this CPU (AVX2 + FMA, no VNNI / AMX).
 
-Paths (thresholds from `python benchmarks/kernels.py`; table in the README "Kernels" section):
+Paths (thresholds from `python benchmarks/kernel_speed.py`; table in the README "Kernels" section):
 - `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2), so from M >= DENSE_BF16_MAX_M the bf16
   weight is copied into an fp32 workspace and multiplied in fp32.
 - `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
@@ -27,6 +27,7 @@ Attention: cpu_attention.py (paged_sdpa's, with decode rows read in place by the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ascq.kernels import QuantLinearWeights, moe, native
+from ascq.kernels import QuantLinearWeights, linear_over_rows, moe, native
 from ascq.kernels.cpu_attention import paged_attention
 from ascq.kernels.paged_sdpa import write_kv_cache
 from ascq.kernels.reference import fake_quantize_input, integer_activations, select_experts
@@ -303,24 +304,14 @@ _LINEARS = {
 }
 
 
+def _linear_rows(rows: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    return _LINEARS[p.kernel](rows, p)
+
+
 def linear(x: torch.Tensor, prepared: CpuLinear) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], prepared.out_features)
-    y = _LINEARS[prepared.kernel](rows, prepared)
-    return y.to(x.dtype).reshape(*x.shape[:-1], prepared.out_features)
+    return linear_over_rows(_linear_rows, x, prepared)
 
 
-def prepare_experts(
-    gate: list[QuantLinearWeights],
-    up: list[QuantLinearWeights],
-    down: list[QuantLinearWeights],
-    dtype: torch.dtype = torch.float32,
-) -> moe.PreparedExperts:
-    return moe.prepare_experts(prepare_linear, gate, up, down, dtype)
-
-
-def moe_experts(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prepared_experts: moe.PreparedExperts
-) -> torch.Tensor:
-    return moe.moe_experts(linear, x, topk_weights, topk_ids, prepared_experts)
+# MoE experts: moe.py's grouped experts over this backend's linear
+prepare_experts = functools.partial(moe.prepare_experts, prepare_linear)
+moe_experts = functools.partial(moe.moe_experts, linear)

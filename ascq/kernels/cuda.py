@@ -13,12 +13,13 @@ how the CPU test suite covers it; `benchmarks/cuda_check.py` runs the same compa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ascq.kernels import QuantLinearWeights, moe
+from ascq.kernels import QuantLinearWeights, linear_over_rows, moe
 from ascq.kernels.paged_sdpa import paged_attention, write_kv_cache
 from ascq.kernels.reference import dequantize_weight, fake_quantize_input, integer_activations, select_experts
 
@@ -110,6 +111,11 @@ def _int_mm_linear(x: torch.Tensor, p: CudaLinear) -> torch.Tensor:
 
 
 def _linear_rows(x: torch.Tensor, p: CudaLinear) -> torch.Tensor:
+    y = _kernel_rows(x, p)
+    return y if p.bias is None else y + p.bias
+
+
+def _kernel_rows(x: torch.Tensor, p: CudaLinear) -> torch.Tensor:
     if p.kernel == "dense":
         return F.linear(x.to(p.weight.dtype), p.weight)
     if p.kernel == "tinygemm":
@@ -122,25 +128,9 @@ def _linear_rows(x: torch.Tensor, p: CudaLinear) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, prepared: CudaLinear) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], prepared.out_features)
-    y = _linear_rows(rows, prepared)
-    if prepared.bias is not None:
-        y = y + prepared.bias
-    return y.to(x.dtype).reshape(*x.shape[:-1], prepared.out_features)
+    return linear_over_rows(_linear_rows, x, prepared)
 
 
-def prepare_experts(
-    gate: list[QuantLinearWeights],
-    up: list[QuantLinearWeights],
-    down: list[QuantLinearWeights],
-    dtype: torch.dtype = torch.float32,
-) -> moe.PreparedExperts:
-    return moe.prepare_experts(prepare_linear, gate, up, down, dtype)
-
-
-def moe_experts(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prepared_experts: moe.PreparedExperts
-) -> torch.Tensor:
-    return moe.moe_experts(linear, x, topk_weights, topk_ids, prepared_experts)
+# MoE experts: moe.py's grouped experts over this backend's linear
+prepare_experts = functools.partial(moe.prepare_experts, prepare_linear)
+moe_experts = functools.partial(moe.moe_experts, linear)

@@ -25,7 +25,7 @@ def prepare_experts(
     gate: list[QuantLinearWeights],
     up: list[QuantLinearWeights],
     down: list[QuantLinearWeights],
-    dtype: torch.dtype,
+    dtype: torch.dtype = torch.float32,
 ) -> PreparedExperts:
     return PreparedExperts(
         gate_up=[prepare_linear(merge_output_dim([g, u]), dtype) for g, u in zip(gate, up, strict=True)],

@@ -20,11 +20,12 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
+
+from ascq.atomic_file import atomic_output
 
 SOURCES = [Path(__file__).with_name(name) for name in ("weight_only_mm.c", "paged_decode_attention.c")]
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
@@ -44,15 +45,8 @@ def _compile(compiler: str) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        command = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp]
-        subprocess.run(command, capture_output=True, text=True, check=True)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_output(target) as tmp:
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True, check=True)
     return target
 
 

@@ -14,17 +14,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from ascq.kernels.reference import FP8_DTYPES, causal_visible, from_cache, to_cache
 
 
 def _store(
     cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, scale: float | torch.Tensor
 ) -> None:
     flat = cache.view(-1, *cache.shape[2:])
-    if cache.dtype in FP8_DTYPES:
-        limit = torch.finfo(cache.dtype).max
-        x8 = (x.float() / scale).clamp(-limit, limit).to(cache.dtype)
-        flat.view(torch.uint8)[slot_mapping] = x8.view(torch.uint8)
+    if cache.dtype in FP8_DTYPES:  # fp8 rows move as uint8, which indexes on every device
+        flat.view(torch.uint8)[slot_mapping] = to_cache(x, cache.dtype, scale).view(torch.uint8)
     else:
         flat[slot_mapping] = x.to(cache.dtype)
 
@@ -50,7 +48,7 @@ def _gather(
     flat = cache.view(-1, *cache.shape[2:])
     if cache.dtype in FP8_DTYPES:
         raw = flat.view(torch.uint8).index_select(0, slots.flatten()).view(cache.dtype)
-        rows = (raw.to(torch.float32) * scale).to(dtype)
+        rows = from_cache(raw, scale).to(dtype)
     else:
         rows = flat.index_select(0, slots.flatten()).to(dtype)
     return rows.view(*slots.shape, *cache.shape[2:])
@@ -94,8 +92,7 @@ def _attend_prefill(query, k_cache, v_cache, block_table, seq_len, scale, k_scal
     if query_len == seq_len:
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+        mask = causal_visible(seq_len, query_len, query.device)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 

@@ -66,15 +66,23 @@ def linear(x: torch.Tensor, prepared: ReferenceLinear) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def _to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float | torch.Tensor) -> torch.Tensor:
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float | torch.Tensor) -> torch.Tensor:
+    """Keys/values as a cache of `cache_dtype` stores them: fp8 as x / scale clamped to the format's range."""
     if cache_dtype in FP8_DTYPES:
         limit = torch.finfo(cache_dtype).max
         return (x.float() / scale).clamp(-limit, limit).to(cache_dtype)
     return x.to(cache_dtype)
 
 
-def _from_cache(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+def from_cache(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """Cached keys/values back as fp32 (fp8 rescaled)."""
     return x.float() * scale if x.dtype in FP8_DTYPES else x.float()
+
+
+def causal_visible(seq_len: int, query_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """bool [query_len, seq_len]: query row i (context position seq_len - query_len + i) sees positions <= its own."""
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
 
 
 def write_kv_cache(
@@ -90,7 +98,7 @@ def write_kv_cache(
     num_kv_heads, head_dim = k_cache.shape[-2:]
     for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
         flat = cache.view(-1, num_kv_heads, head_dim)
-        flat[slot_mapping] = _to_cache(x, cache.dtype, scale)
+        flat[slot_mapping] = to_cache(x, cache.dtype, scale)
 
 
 def gather_sequence_kv(
@@ -100,7 +108,7 @@ def gather_sequence_kv(
     block_size = cache.shape[1]
     positions = torch.arange(seq_len)
     slots = block_table.long()[positions // block_size] * block_size + positions % block_size
-    return _from_cache(cache.view(-1, *cache.shape[2:])[slots], scale)
+    return from_cache(cache.view(-1, *cache.shape[2:])[slots], scale)
 
 
 def paged_attention(
@@ -132,9 +140,7 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     group = num_heads // keys.shape[1]
     keys, values = keys.float().repeat_interleave(group, dim=1), values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
-    query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
-    visible = torch.arange(seq_len, device=q.device)[None, :] <= query_positions[:, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~causal_visible(seq_len, query_len, q.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
 
 

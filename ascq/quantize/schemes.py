@@ -136,11 +136,7 @@ def resolve_target(name: str, module: nn.Module, schemes: list[RecipeScheme]) ->
 
 
 def scheme_name(target: LinearTarget) -> str:
-    """ascq's scheme name (ARCHITECTURE.md) for a linear's weights + activations."""
-    bits, acts = target.weights.num_bits, target.input_activations
-    if acts is None:
-        return f"w{bits}a16"
-    return f"w{bits}a8_dynamic" if acts.dynamic else f"w{bits}a8_static"
+    return ct.scheme_name(target.weights, target.input_activations)
 
 
 def compression_format(target: LinearTarget) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ascq.quantize.architectures import architecture_from_config
+from ascq.models.layout import checkpoint_tensors
 from ascq.quantize.ct_writer import ShardWriter
 
 EOS = "<|endoftext|>"
@@ -32,19 +32,6 @@ def write_byte_tokenizer(out_dir: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS).save_pretrained(out_dir)
 
 
-def _meta_shapes(config: dict[str, Any]) -> dict[str, torch.Size]:
-    arch = architecture_from_config(config)
-    shapes = {"model.embed_tokens.weight": torch.Size([config["vocab_size"], config["hidden_size"]])}
-    for index in range(arch.num_layers):
-        with torch.device("meta"):
-            layer = arch.new_layer(index)
-        shapes.update({arch.layer_prefix(index) + k: v.shape for k, v in layer.state_dict().items()})
-    shapes["model.norm.weight"] = torch.Size([config["hidden_size"]])
-    if not config.get("tie_word_embeddings"):
-        shapes["lm_head.weight"] = torch.Size([config["vocab_size"], config["hidden_size"]])
-    return shapes
-
-
 def write_synthetic_checkpoint(
     out_dir: Path, config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 30
 ) -> int:
@@ -55,7 +42,7 @@ def write_synthetic_checkpoint(
     write_byte_tokenizer(out_dir)
     generator = torch.Generator().manual_seed(seed)
     writer = ShardWriter(out_dir, max_shard_bytes)
-    for name, shape in _meta_shapes(config).items():
+    for name, shape in checkpoint_tensors(config):
         if name.endswith("norm.weight"):
             tensor = torch.ones(shape, dtype=dtype)
         else:

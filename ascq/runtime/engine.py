@@ -10,7 +10,7 @@ import torch
 
 from ascq.errors import AscqError
 from ascq.runtime.block_manager import BlockManager
-from ascq.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
+from ascq.runtime.detokenizer import OutputText, stop_token_reason
 from ascq.runtime.engine_args import EngineArgs
 from ascq.runtime.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_torch_dtype, num_blocks_for
 from ascq.runtime.loader import load_model, read_config
@@ -50,8 +50,12 @@ def module_bytes(model: torch.nn.Module) -> int:
 class LLMEngine:
     """Single-threaded; drive it from one thread. See docs/ARCHITECTURE.md "Engine API"."""
 
-    def __init__(self, args: EngineArgs, tokenizer: Any = None, sampler: Callable | None = None) -> None:
+    def __init__(self, args: EngineArgs, tokenizer: Any = None, sampler: Callable | None = None,
+                 detokenize: bool = True) -> None:
+        """`detokenize=False`: outputs carry token ids only and stop strings are not checked (the engine-core
+        process: the serving process detokenises and finishes stop-string sequences with `finish_sequence`)."""
         self.args = args
+        self.detokenize = detokenize
         config = read_config(args.model)
         self.config = config
         self.dtype = args.resolve_dtype(config)
@@ -62,6 +66,7 @@ class LLMEngine:
         self.vocab_size = int(config["vocab_size"])
         torch.manual_seed(args.seed)
         args.check_quantization(config)
+        args.check_parallel_layout(config)
         self.kv_cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
         if args.world_size > 1:  # ranks in their own processes; this one is rank 0 (runtime/distributed)
             num_blocks = self._init_distributed(args, config)
@@ -79,7 +84,7 @@ class LLMEngine:
         self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}  # id(sequence) -> per prompt token
         self._init_speculation(sampler)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
-        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.texts: dict[int, OutputText] = {}  # id(sequence) -> its output text (when detokenizing)
         self.pending_outputs: list[RequestOutput] = []
         self.num_generation_tokens = 0
 
@@ -123,7 +128,8 @@ class LLMEngine:
             sequences.append(Request(request_id, text, token_ids, params, generator, index))
         self.requests[request_id] = sequences
         for sequence in sequences:
-            self.detokenizers[id(sequence)] = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            if self.detokenize:
+                self.texts[id(sequence)] = OutputText(self.tokenizer, token_ids, params)
             if params.structured_outputs is not None:
                 self.structured.add(id(sequence), params.structured_outputs)
             if params.prompt_logprobs is not None:
@@ -222,28 +228,29 @@ class LLMEngine:
         if logprobs is not None:
             request.logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token_id]
-        delta = self.detokenizers[id(request)].add_token(token_id)
-        request.output_text += delta
         params = request.params
         grammar_done = self.structured.accept(id(request), token_id)
-        text = request.output_text
-        keep = params.include_stop_str_in_output
-        stop: tuple[int | str | None, int] | None = None  # (stop_reason, length of the text to keep)
-        if request.num_output_tokens < params.min_tokens:
-            pass
-        elif token_id in self.eos_token_ids and not params.ignore_eos:
-            stop = (None, len(text) if keep else len(text) - len(delta))
-        elif token_id in params.stop_token_ids:
-            stop = (token_id, len(text) if keep else len(text) - len(delta))
-        elif delta and params.stop and (match := find_stop_string(text, len(delta), params.stop)):
-            stop = (match[1], match[0] + len(match[1]) if keep else match[0])
-        elif grammar_done:
-            stop = (None, len(text))
-        if stop is not None:
-            request.output_text = text[: stop[1]]
-            self._finish(request, "stop", stop[0])
+        on_token, token_reason = stop_token_reason(token_id, request.num_output_tokens, params, self.eos_token_ids)
+        text = self.texts.get(id(request))
+        stop_string = text.add_token(token_id, request.num_output_tokens, on_token) if text is not None else None
+        if on_token:
+            self._finish(request, "stop", token_reason)
+        elif stop_string is not None:
+            self._finish(request, "stop", stop_string)
+        elif grammar_done and request.num_output_tokens >= params.min_tokens:
+            self._finish(request, "stop")
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, "length")
+
+    def finish_sequence(self, request_id: str, index: int, stop_reason: int | str | None) -> None:
+        """Finish one of a request's sequences now (the serving process found a stop string in its text)."""
+        sequences = self.requests.get(request_id)
+        if sequences is None or sequences[index].is_finished:
+            return
+        self._finish(sequences[index], "stop", stop_reason)
+        if all(s.is_finished for s in sequences):
+            self.pending_outputs.append(self._output(request_id))
+            self._forget(request_id)
 
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.finish(request)
@@ -256,9 +263,7 @@ class LLMEngine:
         first = sequences[0]
         completions = []
         for s in sequences:
-            text = s.output_text
-            if not s.is_finished and s.params.stop:  # hold back a possible partial stop string
-                text = text[: max(0, len(text) - max(len(x) for x in s.params.stop) + 1)]
+            text = self.texts[id(s)].visible(s.is_finished) if self.detokenize else ""
             completions.append(CompletionOutput(
                 index=s.index, text=text, token_ids=s.output_token_ids,
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
@@ -273,7 +278,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         for sequence in self.requests.pop(request_id, []):
-            self.detokenizers.pop(id(sequence), None)
+            self.texts.pop(id(sequence), None)
             self.structured.remove(id(sequence))
             self.prompt_logprobs.pop(id(sequence), None)
 

@@ -116,6 +116,18 @@ class EngineArgs:
         if self.quantization.replace("_", "-") != method:
             raise AscqError(f"quantization={self.quantization!r} but {self.model} is quantized with {method!r}")
 
+    def check_parallel_layout(self, config: dict[str, Any]) -> None:
+        """The model's attention heads must split over the tensor-parallel ranks (vLLM's rule), before any rank
+        starts; KV heads are split, or replicated when TP is a multiple of them."""
+        from ascq.runtime.parallel import kv_heads_per_rank
+
+        tp, heads = self.tensor_parallel_size, config["num_attention_heads"]
+        if tp > 1 and heads % tp:
+            divisors = [d for d in range(2, heads + 1) if heads % d == 0]
+            raise AscqError(f"{self.model} has {heads} attention heads, which do not split over tensor_parallel_size "
+                            f"{tp}; sizes that do: {', '.join(map(str, divisors)) or 'none (use 1)'}")
+        kv_heads_per_rank(config.get("num_key_value_heads") or heads, tp)
+
     def _apply_performance_mode(self) -> None:
         if self.performance_mode is None:
             return

@@ -3,12 +3,15 @@
 The serving process talks to it over one duplex `multiprocessing` pipe of pickled tuples (measured against ZeroMQ
 in benchmarks/ipc.py; the README "Distributed" section has the numbers):
 
-    to the core:   ("add", request_id, prompt, params) | ("abort", request_id) | ("shutdown",)
+    to the core:   ("add", request_id, prompt_token_ids, params) | ("abort", request_id)
+                   | ("finish", request_id, index, stop_string) | ("shutdown",)
     from the core: ("ready", info) | ("failed", message) | ("added", request_id, error | None)
                    | ("outputs", [OutputDelta], stats) | ("step_error", message)
 
-Outputs cross as deltas (new text and tokens since the last step), so a message's size does not grow with the
-output length; `DeltaDecoder` rebuilds vLLM's cumulative `RequestOutput` on the other side. The core exits when
+Outputs cross as token-id deltas (the tokens since the last step), so a message's size does not grow with the
+output length. The core does not detokenise: the serving process's `OutputProcessor` (output_processor.py) turns
+the deltas into vLLM's cumulative `RequestOutput` with text, checks stop strings, and sends "finish" for a sequence
+a stop string ended. The core exits when
 the serving process dies (it watches its parent), so it is never left behind.
 """
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ascq.runtime.outputs import CompletionOutput, RequestOutput
+from ascq.runtime.outputs import RequestOutput
 
 logger = logging.getLogger("ascq.engine_core")
 IDLE_POLL_S = 0.5
@@ -32,11 +35,8 @@ IDLE_POLL_S = 0.5
 @dataclass
 class CompletionDelta:
     index: int
-    text_start: int  # characters of the text sent so far that stay (less than sent when a stop string cut it)
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    cumulative_logprob: float | None
+    token_ids: list[int]  # new since the last delta
+    logprobs: list[dict[int, float]] | None  # one per new token
     finish_reason: str | None
     stop_reason: int | str | None
 
@@ -51,63 +51,27 @@ class OutputDelta:
 
 
 class DeltaEncoder:
-    """Core side: cumulative `RequestOutput`s -> deltas against what was already sent."""
+    """Core side: cumulative `RequestOutput`s -> the tokens not sent yet."""
 
     def __init__(self) -> None:
-        self.sent: dict[str, dict[int, tuple[int, int]]] = {}  # request id -> index -> (chars, tokens)
+        self.sent: dict[str, dict[int, int]] = {}  # request id -> index -> number of tokens sent (-1: prompt logprobs)
 
     def encode(self, output: RequestOutput) -> OutputDelta:
         sent = self.sent.setdefault(output.request_id, {})
         completions = []
         for o in output.outputs:
-            num_chars, num_tokens = sent.get(o.index, (0, 0))
-            keep = min(num_chars, len(o.text))
+            num_tokens = sent.get(o.index, 0)
             completions.append(CompletionDelta(
-                o.index, keep, o.text[keep:], o.token_ids[num_tokens:],
-                None if o.logprobs is None else o.logprobs[num_tokens:], o.cumulative_logprob,
+                o.index, o.token_ids[num_tokens:], None if o.logprobs is None else o.logprobs[num_tokens:],
                 o.finish_reason, o.stop_reason))
-            sent[o.index] = (len(o.text), len(o.token_ids))
+            sent[o.index] = len(o.token_ids)
         prompt_logprobs = None
         if output.prompt_logprobs is not None and -1 not in sent:
             prompt_logprobs = output.prompt_logprobs
-            sent[-1] = (0, 0)
+            sent[-1] = 0
         if output.finished:
             del self.sent[output.request_id]
         return OutputDelta(output.request_id, output.finished, output.num_cached_tokens, completions, prompt_logprobs)
-
-
-class DeltaDecoder:
-    """Serving side: deltas -> fresh cumulative `RequestOutput`s (new objects: readers may still hold old ones)."""
-
-    def __init__(self) -> None:
-        self.outputs: dict[str, RequestOutput] = {}
-
-    def start(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int) -> None:
-        completions = [CompletionOutput(i, "", [], None, None) for i in range(n)]
-        self.outputs[request_id] = RequestOutput(request_id, prompt, prompt_token_ids, completions, False)
-
-    def forget(self, request_id: str) -> None:
-        self.outputs.pop(request_id, None)
-
-    def decode(self, delta: OutputDelta) -> RequestOutput | None:
-        previous = self.outputs.get(delta.request_id)
-        if previous is None:  # aborted here meanwhile
-            return None
-        completions = list(previous.outputs)
-        for d in delta.completions:
-            old = completions[d.index]
-            logprobs = None if d.logprobs is None else (old.logprobs or []) + d.logprobs
-            completions[d.index] = CompletionOutput(
-                d.index, old.text[:d.text_start] + d.text, old.token_ids + d.token_ids, d.cumulative_logprob,
-                logprobs, d.finish_reason, d.stop_reason)
-        output = RequestOutput(delta.request_id, previous.prompt, previous.prompt_token_ids, completions,
-                               delta.finished, delta.num_cached_tokens,
-                               delta.prompt_logprobs if delta.prompt_logprobs is not None else previous.prompt_logprobs)
-        if delta.finished:
-            del self.outputs[delta.request_id]
-        else:
-            self.outputs[delta.request_id] = output
-        return output
 
 
 # ---- the core process ------------------------------------------------------------------------------------
@@ -126,14 +90,15 @@ def run_engine_core(engine_args: Any, conn: Connection, parent_pid: int,
 
     engine = None
     try:
-        engine = LLMEngine(engine_args)
+        engine = LLMEngine(engine_args, detokenize=False)
         info = describe(engine) if describe is not None else {}
     except (AscqError, ValueError, OSError) as exc:
         conn.send(("failed", str(exc)))
         if engine is not None:
             engine.shutdown()
         raise SystemExit(1) from None
-    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size, **info}))
+    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                         "eos_token_ids": sorted(engine.eos_token_ids), **info}))
     try:
         EngineCore(engine, conn).run()
     finally:
@@ -168,6 +133,8 @@ class EngineCore:
                 self._add(*command[1:])
             elif kind == "abort":
                 self.engine.abort_request(command[1])
+            elif kind == "finish":
+                self.engine.finish_sequence(*command[1:])
             elif kind == "shutdown":
                 self.running = False
 

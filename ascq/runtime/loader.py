@@ -34,22 +34,19 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         raise AscqError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
 
 
-def scheme_name(scheme: Any) -> str:
-    """compressed-tensors QuantizationScheme -> the kernels' scheme name."""
+def served_scheme_name(scheme: Any) -> str:
+    """compressed-tensors QuantizationScheme -> the kernels' scheme name, rejecting what no backend serves."""
     weights, acts = scheme.weights, scheme.input_activations
     if weights is None or weights.type != "int" or weights.num_bits not in (4, 8) or scheme.output_activations:
         raise UnsupportedError(f"quantization scheme {scheme.model_dump_json()} is not supported; supported: {SUPPORTED_SCHEMES}")
     if weights.strategy not in ("channel", "group"):
         raise UnsupportedError(f"weight strategy {weights.strategy!r} is not supported; supported: channel, group")
-    if acts is None:
-        return f"w{weights.num_bits}a16"
-    if acts.type != "int" or acts.num_bits != 8:
+    if acts is not None and (acts.type != "int" or acts.num_bits != 8):
         raise UnsupportedError(f"activation quantization {acts.model_dump_json()} is not supported; supported: {SUPPORTED_SCHEMES}")
-    if weights.num_bits == 8:
-        return "w8a8_dynamic" if acts.dynamic else "w8a8_static"
-    if acts.dynamic:
-        return "w4a8_dynamic"
-    raise UnsupportedError(f"W4A8 with static activations is not supported; supported: {SUPPORTED_SCHEMES}")
+    name = ct.scheme_name(weights, acts)
+    if name == "w4a8_static":
+        raise UnsupportedError(f"W4A8 with static activations is not supported; supported: {SUPPORTED_SCHEMES}")
+    return name
 
 
 class QuantConfig:
@@ -73,7 +70,7 @@ class QuantConfig:
                 raise UnsupportedError(
                     f"compressed-tensors format {fmt!r} is not supported; supported: {', '.join(ct.SUPPORTED_FORMATS)}"
                 )
-            self.groups.append((scheme, scheme_name(scheme), fmt))
+            self.groups.append((scheme, served_scheme_name(scheme), fmt))
         self.kv_cache_scheme = self.config.kv_cache_scheme
 
     def group_for(self, prefix: str) -> tuple[Any, str, str] | None:

@@ -122,7 +122,9 @@ def shard_tensor(tensor: torch.Tensor, param_name: str, tp_dim: int | None, full
     tp_dim 0 (column parallel): rows split. tp_dim 1 (row parallel): columns split; bias kept on rank 0 only (it is
     added once, after the all-reduce); per-channel scales and zero points kept whole; group scales split along
     the groups, re-expressed at a finer group size when a group straddles two ranks (gcd of the group size and
-    the columns per rank: the same numbers, repeated). Activation qparams (static input scale / zero) are
+    the columns per rank: the same numbers, repeated; a shorter last group, as compressed-tensors stores in_features that
+are not a multiple of the group size, is cut there; its group size is taken as the power of two the shapes imply).
+Activation qparams (static input scale / zero) are
     replicated.
     """
     world, rank = _state.tp_size, _state.tp_rank
@@ -139,9 +141,12 @@ def shard_tensor(tensor: torch.Tensor, param_name: str, tp_dim: int | None, full
     if tensor.dim() < 2 or tensor.shape[1] == 1:
         return tensor
     local_in = divide(full_in_features, world)
-    group_size = full_in_features // tensor.shape[1]
+    num_groups = tensor.shape[1]
+    group_size = full_in_features // num_groups
+    if full_in_features % num_groups:  # a shorter last group (in_features not a multiple of the group size)
+        group_size = 2 ** math.ceil(math.log2(full_in_features / num_groups))
     fine = math.gcd(group_size, local_in)
     if fine != group_size:
-        tensor = tensor.repeat_interleave(group_size // fine, dim=1)
+        tensor = tensor.repeat_interleave(group_size // fine, dim=1)[:, : full_in_features // fine]
     size = local_in // fine
     return tensor.narrow(1, rank * size, size)

@@ -41,7 +41,6 @@ class Request:
         self.num_preemptions = 0
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        self.output_text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # speculative decoding: tokens proposed for the next step, and the draft's distribution over each

@@ -12,7 +12,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ascq.formats.safetensors import atomic_write
+from ascq.atomic_file import atomic_write
 from ascq.paths import RECIPES_DIR, zoo_root
 from ascq.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
 
@@ -29,7 +29,7 @@ SCHEME_TEXT = {
 
 
 def render_card(entry_dir: Path, repo_id: str | None = None) -> str:
-    """The model card text; `repo_id` (ORG/NAME) is used in the serving commands, else the entry's local path."""
+    """The model card text; `repo_id` (ORG/NAME) is used in the serving commands, else the entry's zoo name."""
     entry_dir = Path(entry_dir)
     manifest = read_manifest(entry_dir)
     config = _read_json(entry_dir / "config.json")
@@ -81,11 +81,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _local_ref(entry_dir: Path) -> str:
-    """`zoo/NAME` for an entry of the zoo, else its absolute path."""
+    """`zoo/NAME` for an entry of the zoo, else the folder's own name: a card never holds a local absolute path."""
     try:
         return f"zoo/{entry_dir.resolve().relative_to(zoo_root().resolve())}"
     except ValueError:
-        return str(entry_dir.resolve())
+        return entry_dir.resolve().name
 
 
 def _license(manifest: dict[str, Any]) -> dict[str, str]:

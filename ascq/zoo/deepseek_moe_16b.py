@@ -1,5 +1,5 @@
 """The planned `zoo/deepseek-moe-16b` entry: config.json of deepseek-ai/deepseek-moe-16b-base, the recipes to apply,
-expected checkpoint sizes and serving memory per recipe, and the commands that produce and serve it. No weights.
+expected checkpoint sizes and serving memory per recipe (and per rank for TP 2/4/8 and EP 8), and the commands that produce and serve it. No weights.
 
 Regenerate with `python -m ascq.zoo.deepseek_moe_16b [TARGET]`.
 """
@@ -69,12 +69,41 @@ CONFIG: dict[str, Any] = {
 }
 
 
+# multi-device layouts of the plan: name -> (tensor_parallel_size, enable_expert_parallel)
+LAYOUTS = {"tp2": (2, False), "tp4": (4, False), "tp8": (8, False), "ep8": (8, True)}
+NUM_SEQS_OPTIONS = (1, 16)
+
+
+def per_rank_plan(config: dict[str, Any], recipes: list[str]) -> dict[str, Any]:
+    """Per layout and recipe: weights and KV cache of one rank (ascq/runtime/distributed/sizing.py; the splits are
+    even, so every rank of a layout holds the same bytes), for full-length sequences as the plan's serve_memory."""
+    from ascq.runtime.distributed.sizing import per_rank_memory
+
+    num_positions = config["max_position_embeddings"]
+    layouts = {}
+    for name, (tp, expert_parallel) in LAYOUTS.items():
+        rows = {}
+        for recipe in [None, *recipes]:
+            memory = per_rank_memory(config, tp, recipe=recipe, expert_parallel=expert_parallel)
+            weights, kv_per_token = memory["weight_bytes"], memory["kv_bytes_per_token"]
+            rows[recipe or "bf16"] = {
+                "weights_bytes": weights,
+                "kv_cache_bytes_per_token": kv_per_token,
+                "serve_memory": {f"{n}x{num_positions}_tokens": {
+                    "weights_bytes": weights, "kv_cache_bytes": kv_per_token * n * num_positions,
+                    "total_bytes": weights + kv_per_token * n * num_positions} for n in NUM_SEQS_OPTIONS},
+            }
+        layouts[name] = {"tensor_parallel_size": tp, "enable_expert_parallel": expert_parallel, "recipes": rows}
+    return layouts
+
+
 def write_entry(target: Path | None = None) -> dict[str, Any]:
     return write_planned_entry(
         Path(target) if target else zoo_root() / NAME,
         CONFIG,
         COMMANDS,
         RECIPES,
+        extra_plan={"per_rank": per_rank_plan(CONFIG, RECIPES)},
         source={"model": SOURCE, "revision": "main"},
         base_model=SOURCE,
         format="compressed-tensors",

@@ -1,4 +1,5 @@
-"""Planned zoo entries: checkpoint size and serving memory per recipe computed from an architecture's config.json,
+"""Planned zoo entries: checkpoint size and serving memory per recipe computed from an architecture's config.json
+(tensor names and shapes from `ascq.models.layout`, the architecture description),
 and `require_weights`, the check that tells a user which command produces an entry's missing weights.
 
 Sizes count tensor payload bytes exactly as a compressed-tensors checkpoint stores them (safetensors headers, a few
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from compressed_tensors.quantization import QuantizationArgs
 from ascq.errors import AscqError
 from ascq.formats import compressed_tensors as ct
 from ascq.models.decoder import head_dim_of
+from ascq.models.layout import Shape, checkpoint_tensors
 from ascq.zoo.manifest import (
     MANIFEST_NAME,
     list_entry_files,
@@ -76,65 +79,26 @@ RECIPE_SCHEMES: dict[str, WeightScheme] = {
 }
 
 
-def checkpoint_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """(HF tensor name, shape) of every tensor of a Llama-family or DeepSeek-MoE v1 checkpoint."""
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    num_heads = config["num_attention_heads"]
-    head_dim = head_dim_of(config)
-    num_kv_heads = config.get("num_key_value_heads") or num_heads
-    tensors: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        tensors += [
-            (f"{p}.input_layernorm.weight", (hidden,)),
-            (f"{p}.post_attention_layernorm.weight", (hidden,)),
-            (f"{p}.self_attn.q_proj.weight", (num_heads * head_dim, hidden)),
-            (f"{p}.self_attn.k_proj.weight", (num_kv_heads * head_dim, hidden)),
-            (f"{p}.self_attn.v_proj.weight", (num_kv_heads * head_dim, hidden)),
-            (f"{p}.self_attn.o_proj.weight", (hidden, num_heads * head_dim)),
-        ]
-        tensors += _mlp_tensors(config, i, p)
-    tensors.append(("model.norm.weight", (hidden,)))
-    if not config.get("tie_word_embeddings", False):
-        tensors.append(("lm_head.weight", (vocab, hidden)))
-    return tensors
+def num_parameters(config: dict[str, Any], tensors: list[tuple[str, Shape]] | None = None) -> int:
+    return sum(math.prod(shape) for _, shape in tensors or checkpoint_tensors(config))
 
 
-def _mlp_tensors(config: dict[str, Any], layer: int, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
-    hidden = config["hidden_size"]
-
-    def mlp(name: str, intermediate: int) -> list[tuple[str, tuple[int, ...]]]:
-        return [(f"{name}.gate_proj.weight", (intermediate, hidden)), (f"{name}.up_proj.weight", (intermediate, hidden)),
-                (f"{name}.down_proj.weight", (hidden, intermediate))]
-
-    num_experts = config.get("n_routed_experts") or 0
-    is_moe = num_experts and layer >= config.get("first_k_dense_replace", 0) and layer % config.get("moe_layer_freq", 1) == 0
-    if not is_moe:
-        return mlp(f"{prefix}.mlp", config["intermediate_size"])
-    moe_intermediate = config["moe_intermediate_size"]
-    tensors = [(f"{prefix}.mlp.gate.weight", (num_experts, hidden))]
-    for e in range(num_experts):
-        tensors += mlp(f"{prefix}.mlp.experts.{e}", moe_intermediate)
-    if config.get("n_shared_experts"):
-        tensors += mlp(f"{prefix}.mlp.shared_experts", moe_intermediate * config["n_shared_experts"])
-    return tensors
+def _is_quantized(name: str, shape: Shape) -> bool:
+    module = name.removesuffix(".weight")
+    return len(shape) == 2 and not module.endswith(EXCLUDED_LINEARS) and "embed_tokens" not in module
 
 
-def num_parameters(config: dict[str, Any]) -> int:
-    return sum(math.prod(shape) for _, shape in checkpoint_tensors(config))
-
-
-def checkpoint_bytes(config: dict[str, Any], recipe: str | None) -> int:
-    """Tensor payload bytes of the checkpoint `recipe` produces (None: the bf16 original)."""
+def checkpoint_bytes(config: dict[str, Any], recipe: str | None, tensors: list[tuple[str, Shape]] | None = None) -> int:
+    """Tensor payload bytes of the checkpoint `recipe` produces (None: the bf16 original); `tensors` defaults to
+    `checkpoint_tensors(config)`. Each distinct (kind, shape) is sized once: a MoE checkpoint repeats a few shapes
+    tens of thousands of times."""
     scheme = RECIPE_SCHEMES.get(recipe) if recipe else None
     if recipe and scheme is None:
         raise AscqError(f"unknown recipe '{recipe}'; known: {', '.join(sorted(RECIPE_SCHEMES))}")
-    total = 0
-    for name, shape in checkpoint_tensors(config):
-        module = name.removesuffix(".weight")
-        quantized = scheme and len(shape) == 2 and not module.endswith(EXCLUDED_LINEARS) and "embed_tokens" not in module
-        total += scheme.linear_bytes(*shape) if quantized else math.prod(shape) * BF16_BYTES
-    return total
+    counts = Counter((scheme is not None and _is_quantized(name, shape), shape)
+                     for name, shape in tensors or checkpoint_tensors(config))
+    return sum(num * (scheme.linear_bytes(*shape) if quantized else math.prod(shape) * BF16_BYTES)
+               for (quantized, shape), num in counts.items())
 
 
 def kv_cache_bytes_per_token(config: dict[str, Any], kv_bytes: int = BF16_BYTES) -> int:
@@ -144,35 +108,38 @@ def kv_cache_bytes_per_token(config: dict[str, Any], kv_bytes: int = BF16_BYTES)
     return 2 * config["num_hidden_layers"] * num_kv_heads * head_dim * kv_bytes
 
 
-def serving_memory(config: dict[str, Any], recipe: str | None, num_seqs: int = 1) -> dict[str, int]:
-    """Weights (every expert resident) + a bf16 KV cache for `num_seqs` full-length sequences; activation
-    workspace is not included."""
-    weights = checkpoint_bytes(config, recipe)
+def serving_memory(config: dict[str, Any], weights_bytes: int, num_seqs: int = 1) -> dict[str, int]:
+    """Weights (every expert resident, `checkpoint_bytes`) + a bf16 KV cache for `num_seqs` full-length sequences;
+    activation workspace is not included."""
     num_tokens = config["max_position_embeddings"] * num_seqs
     kv = kv_cache_bytes_per_token(config) * num_tokens
-    return {"weights_bytes": weights, "kv_cache_tokens": num_tokens, "kv_cache_bytes": kv, "total_bytes": weights + kv}
+    return {"weights_bytes": weights_bytes, "kv_cache_tokens": num_tokens, "kv_cache_bytes": kv,
+            "total_bytes": weights_bytes + kv}
 
 
 def plan(config: dict[str, Any], recipes: list[str], num_seqs_options: tuple[int, ...] = (1, 16)) -> dict[str, Any]:
     """Per recipe (plus "bf16"): checkpoint bytes and serving memory at each concurrency in `num_seqs_options`."""
+    tensors = checkpoint_tensors(config)
     rows: dict[str, Any] = {}
     for recipe in [None, *recipes]:
+        weights = checkpoint_bytes(config, recipe, tensors)
         rows[recipe or "bf16"] = {
             "scheme": RECIPE_SCHEMES[recipe].scheme if recipe else "dense",
-            "checkpoint_bytes": checkpoint_bytes(config, recipe),
-            "serve_memory": {f"{n}x{config['max_position_embeddings']}_tokens": serving_memory(config, recipe, n)
+            "checkpoint_bytes": weights,
+            "serve_memory": {f"{n}x{config['max_position_embeddings']}_tokens": serving_memory(config, weights, n)
                              for n in num_seqs_options},
         }
-    return {"num_parameters": num_parameters(config), "kv_cache_bytes_per_token": kv_cache_bytes_per_token(config),
-            "recipes": rows}
+    return {"num_parameters": num_parameters(config, tensors),
+            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(config), "recipes": rows}
 
 
 def write_planned_entry(target: Path, config: dict[str, Any], commands: dict[str, str], recipes: list[str],
-                        **manifest_fields: Any) -> dict[str, Any]:
-    """Write an entry holding only config.json and a manifest whose `planned` section says how to produce it."""
+                        extra_plan: dict[str, Any] | None = None, **manifest_fields: Any) -> dict[str, Any]:
+    """Write an entry holding only config.json and a manifest whose `planned` section says how to produce it
+    (`extra_plan`: more keys for that section, e.g. per-rank memory)."""
     with staged_entry(Path(target)) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        planned = {"weights": False, "commands": commands, **plan(config, recipes)}
+        planned = {"weights": False, "commands": commands, **plan(config, recipes), **(extra_plan or {})}
         manifest = write_manifest(staging, new_manifest(Path(target).name, planned=planned, **manifest_fields))
     return manifest
 

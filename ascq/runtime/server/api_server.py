@@ -329,7 +329,7 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
         logger.info(line)
     # the event loop's own tokenizer copy
     tokenizer = AutoTokenizer.from_pretrained(str(engine_args.tokenizer or engine_args.model))
-    async_engine = AsyncEngine(core, ServerMetrics(model_name))
+    async_engine = AsyncEngine(core, tokenizer, ServerMetrics(model_name))
     app = create_app(async_engine, tokenizer, ChatPrompter(tokenizer, template), model_name,
                      core.info["max_model_len"], core.info["vocab_size"], options.api_key, tool_options=options)
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,

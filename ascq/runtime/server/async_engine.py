@@ -1,6 +1,6 @@
 """Lets asyncio code submit requests to the engine core process (engine_core.py) and stream their outputs.
 
-The event loop owns all bookkeeping; two threads move pickled messages: a writer (so a full pipe never blocks the
+The event loop owns all bookkeeping, including detokenisation (`OutputProcessor`: the core sends token ids); two threads move pickled messages: a writer (so a full pipe never blocks the
 event loop) and a reader that hands each message to the loop with `call_soon_threadsafe`. Draining (SIGTERM)
 lets running requests finish until a deadline and then fails the rest, so shutdown time is bounded. If the engine
 process dies, every open request fails with a 503, new ones get 503, and `on_engine_dead` tells the server to
@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ascq.runtime.engine_core import DeltaDecoder, EngineCoreProcess
+from ascq.runtime.engine_core import EngineCoreProcess
+from ascq.runtime.output_processor import OutputProcessor
 from ascq.runtime.server.metrics import ServerMetrics
 from ascq.runtime.server.protocol import APIError
 
@@ -74,7 +75,7 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCoreProcess, metrics: ServerMetrics,
+    def __init__(self, core: EngineCoreProcess, tokenizer: Any, metrics: ServerMetrics,
                  on_engine_dead: Callable[[], None] | None = None) -> None:
         self.core = core
         self.metrics = metrics
@@ -83,7 +84,7 @@ class AsyncEngine:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._admitting: dict[str, asyncio.Future] = {}
-        self._decoder = DeltaDecoder()
+        self._processor = OutputProcessor(tokenizer, set(core.info["eos_token_ids"]))
         self._stopping = False
         self._dead = False
         self._drain_deadline: float | None = None
@@ -114,11 +115,11 @@ class AsyncEngine:
             group.request_ids.append(sub_id)
             group.unfinished.add(sub_id)
             self._tracked[sub_id] = _Tracked(group.out, arrival=now)
-            self._decoder.start(sub_id, prompt if isinstance(prompt, str) else None,
-                                [] if isinstance(prompt, str) else list(prompt), params.n)
+            token_ids = self._processor.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self._processor.add(sub_id, prompt if isinstance(prompt, str) else None, token_ids, params)
             admitted.append(self.loop.create_future())
             self._admitting[sub_id] = admitted[-1]
-            self._outbox.put(("add", sub_id, prompt, params))
+            self._outbox.put(("add", sub_id, token_ids, params))
         try:
             await asyncio.wait(admitted)
             for future in admitted:
@@ -131,7 +132,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         if self._tracked.pop(request_id, None) is None:
             return
-        self._decoder.forget(request_id)
+        self._processor.forget(request_id)
         self._admitting.pop(request_id, None)
         self.metrics.observe_finished("abort")
         self._outbox.put(("abort", request_id))
@@ -181,7 +182,7 @@ class AsyncEngine:
             future = self._admitting.pop(request_id, None)
             if error is not None:
                 self._tracked.pop(request_id, None)
-                self._decoder.forget(request_id)
+                self._processor.forget(request_id)
             if future is not None and not future.done():
                 future.set_result(None) if error is None else future.set_exception(ValueError(error))
         elif kind == "step_error":
@@ -193,7 +194,9 @@ class AsyncEngine:
             tracked = self._tracked.get(delta.request_id)
             if tracked is None:  # aborted meanwhile
                 continue
-            output = self._decoder.decode(delta)
+            output, stopped = self._processor.process(delta)
+            for index, stop_string in stopped:  # a stop string ended it here: the core stops generating it
+                self._outbox.put(("finish", delta.request_id, index, stop_string))
             self._observe_latency(tracked, output, now)
             tracked.out.put_nowait(output)
             if output.finished:

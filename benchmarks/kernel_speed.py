@@ -3,7 +3,7 @@ the `cpu` backend (and each of its kernel paths, to justify the per-M thresholds
 `reference` backend, and dense bf16 / fp32 F.linear as baselines. Prints a markdown table (ms, best of interleaved rounds) and
 the speedup of the cpu backend over dense bf16 F.linear.
 
-    OMP_NUM_THREADS=2 python benchmarks/kernels.py [--size 4096] [--rows 1 8 32 128 512] [--dtype bf16]
+    OMP_NUM_THREADS=2 python benchmarks/kernel_speed.py [--size 4096] [--rows 1 8 32 128 512] [--dtype bf16]
 """
 
 from __future__ import annotations
