@@ -165,6 +165,7 @@ def convert(
     device: Annotated[str, typer.Option(help="Calibration compute device: cpu, cuda or npu.")] = "cpu",
     format: Annotated[str, typer.Option(help="compressed-tensors, or msmodelslim (vllm-ascend).")] = "compressed-tensors",
     eval_text: Annotated[Path | None, typer.Option(help="Text for perplexity before/after (default: the fixture eval text for ascq fixtures).")] = None,
+    max_eval_tokens: Annotated[int, typer.Option(help="Perplexity before/after on this many eval tokens (0: the whole text).")] = 8192,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 1GB, 500MB (held in memory until written).")] = "1GB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing entry at --out (atomically; never the source).")] = False,
 ) -> None:
@@ -175,6 +176,7 @@ def convert(
     options = ConvertOptions(
         model=model, recipes=recipe, out=out, calib=calib, num_samples=num_samples, seq_len=seq_len, device=device,
         format=format, eval_text=eval_text, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
+        max_eval_tokens=max_eval_tokens or None,
     )  # fmt: skip
     typer.echo(format_summary(run_convert(options)))
 
@@ -202,6 +204,10 @@ NumNodes = Annotated[int, typer.Option(help="Nodes the ranks are spread over (eq
 NodeRank = Annotated[int, typer.Option(help="This node's index; node 0 runs the engine, others only ranks.")]
 MasterAddr = Annotated[str, typer.Option(help="Node 0's address for the rendezvous.")]
 MasterPort = Annotated[int | None, typer.Option(help="Rendezvous port on node 0 (default: a free one, one node).")]
+SpeculativeConfig = Annotated[str | None, typer.Option(
+    help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+         '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')]
 
 
 def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int, enable_expert_parallel: bool,
@@ -241,10 +247,7 @@ def generate(
     tensor_parallel_size: TensorParallelSize = 1,
     pipeline_parallel_size: PipelineParallelSize = 1,
     enable_expert_parallel: EnableExpertParallel = False,
-    speculative_config: Annotated[str | None, typer.Option(
-        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
-             '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
+    speculative_config: SpeculativeConfig = None,
 ) -> None:
     """Generate text for one or more prompts (--prompt) or chat messages (--chat) offline and print it."""
     from ascq.quantize.convert import check_device
@@ -316,10 +319,7 @@ def serve(
     node_rank: NodeRank = 0,
     master_addr: MasterAddr = "127.0.0.1",
     master_port: MasterPort = None,
-    speculative_config: Annotated[str | None, typer.Option(
-        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
-             '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')] = None,
+    speculative_config: SpeculativeConfig = None,
 ) -> None:
     """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
 

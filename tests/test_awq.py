@@ -20,6 +20,7 @@ from ascq.quantize.awq import (
     search_scales,
     weight_mean,
 )
+from ascq.runtime.layers.rmsnorm import rms_norm
 
 W4_G32 = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)
 
@@ -238,3 +239,27 @@ def test_awq_modifier_beats_rtn_on_an_outlier_layer():
     rtn_error = _output_error(_deepseek_layer_context(rtn, True), rtn)
     awq_error = _output_error(_deepseek_layer_context(awq, True), awq)
     assert 0 < awq_error < 0.7 * rtn_error
+
+
+def test_awq_moe_router_is_compensated_exactly_in_the_checkpoint_dtype():
+    """The router stays full precision but reads the scaled norm: written in bf16, norm / s and gate · s must give
+    the source's router logits bit for bit (powers-of-two scales), else AWQ reroutes tokens that RTN does not."""
+    from ascq.quantize.awq_modifier import AWQModifier
+
+    modifier = AWQModifier.from_args({"scheme": "W4A16_ASYM", "clip_search": False})
+    ctx = _deepseek_layer_context(modifier, outliers=True)
+    with torch.no_grad():
+        for p in ctx.layer.parameters():
+            p.copy_(p.to(torch.bfloat16))  # a bf16 source checkpoint
+    norm, gate = ctx.layer.post_attention_layernorm, ctx.layer.mlp.gate
+    x = torch.cat([t.reshape(-1, 256) for t in ctx.inputs]) * 3
+
+    def router_logits() -> torch.Tensor:
+        written = {"norm": norm.weight.to(torch.bfloat16).float(), "gate": gate.weight.to(torch.bfloat16).float()}
+        return rms_norm(x, written["norm"], 1e-6) @ written["gate"].T
+
+    before, norm_before = router_logits(), norm.weight.clone()
+    modifier.process_layer(ctx)
+    assert not torch.equal(norm.weight, norm_before), "the MoE group was balanced"
+    torch.testing.assert_close(router_logits(), before, rtol=0, atol=0)
+    assert torch.equal(router_logits().topk(4).indices, before.topk(4).indices)

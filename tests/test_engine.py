@@ -7,34 +7,12 @@ import logging
 
 import pytest
 import torch
+from engine_helpers import assert_no_leaks, drain, make_engine
 
 from ascq.errors import AscqError
 from ascq.runtime.engine import LLMEngine
 from ascq.runtime.engine_args import EngineArgs
 from ascq.runtime.sampling_params import SamplingParams
-
-KV_MEMORY = 32 << 20
-
-
-def make_engine(model_dir, tokenizer=None, **kwargs) -> LLMEngine:
-    kwargs.setdefault("kv_cache_memory", KV_MEMORY)
-    return LLMEngine(EngineArgs(model_dir, **kwargs), tokenizer=tokenizer)
-
-
-def drain(engine: LLMEngine) -> dict[str, object]:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
-def assert_no_leaks(engine: LLMEngine) -> None:
-    stats = engine.get_stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    assert stats["num_running"] == stats["num_waiting"] == 0
-    assert set(engine.block_manager.ref_counts) == {0}
 
 
 def mixed_requests(num: int, seed: int = 0) -> list[tuple[list[int], int]]:

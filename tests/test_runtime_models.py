@@ -9,25 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from engine_helpers import make_engine, run_batch
 
 from ascq.models.deepseek_moe import load_deepseek
 from ascq.runtime.engine import LLMEngine
-from ascq.runtime.engine_args import EngineArgs
 from ascq.runtime.sampling_params import SamplingParams
-
-KV_MEMORY = 32 << 20
 
 
 def run_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[str(i)] for i in range(len(prompts))]
+    done = run_batch(engine, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos))
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
 def random_prompts(num: int, lengths: tuple[int, int], vocab: int = 4096, seed: int = 0) -> list[list[int]]:
@@ -70,7 +61,7 @@ def reference_greedy_batch(model, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def test_random_llama_greedy_matches_transformers(random_llama_dir, byte_tokenizer):
-    engine = LLMEngine(EngineArgs(random_llama_dir, kv_cache_memory=KV_MEMORY), tokenizer=byte_tokenizer)
+    engine = make_engine(random_llama_dir, byte_tokenizer)
     hf = transformers.LlamaForCausalLM.from_pretrained(random_llama_dir, dtype=torch.float32)
     prompts = random_prompts(6, (1, 40))
     got = run_greedy(engine, prompts, 12)
@@ -78,7 +69,7 @@ def test_random_llama_greedy_matches_transformers(random_llama_dir, byte_tokeniz
 
 
 def test_random_deepseek_greedy_matches_reference(random_deepseek_dir, byte_tokenizer):
-    engine = LLMEngine(EngineArgs(random_deepseek_dir, kv_cache_memory=KV_MEMORY), tokenizer=byte_tokenizer)
+    engine = make_engine(random_deepseek_dir, byte_tokenizer)
     reference = load_deepseek(random_deepseek_dir, torch.float32).eval()
     prompts = random_prompts(4, (3, 30))
     assert run_greedy(engine, prompts, 8) == [reference_greedy(reference, p, 8) for p in prompts]
@@ -109,14 +100,9 @@ def test_llama_family_variants_match_transformers(tmp_path, byte_tokenizer, vari
     hf.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved.get("tie_word_embeddings", False) == variant.get("tie_word_embeddings", False)
-    engine = LLMEngine(EngineArgs(tmp_path, kv_cache_memory=KV_MEMORY), tokenizer=byte_tokenizer)
+    engine = make_engine(tmp_path, byte_tokenizer)
     prompts = random_prompts(3, (20, 150), vocab=512, seed=2)
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    outs = {}
-    while engine.has_unfinished_requests():
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    outs = run_batch(engine, prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))
     for i, p in enumerate(prompts):
         with torch.no_grad():
             expected = hf(torch.tensor([p])).logits[0, -1].log_softmax(-1)
@@ -128,7 +114,7 @@ def test_llama_family_variants_match_transformers(tmp_path, byte_tokenizer, vari
 
 @pytest.mark.slow
 def test_tiny_llama_greedy_matches_transformers(tiny_llama_dir, eval_text_path):
-    engine = LLMEngine(EngineArgs(tiny_llama_dir, kv_cache_memory=KV_MEMORY))
+    engine = make_engine(tiny_llama_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prompts = text_prompts(engine.tokenizer, 32, eval_text_path)
     got = run_greedy(engine, prompts, 64, ignore_eos=False)
@@ -138,7 +124,7 @@ def test_tiny_llama_greedy_matches_transformers(tiny_llama_dir, eval_text_path):
 
 @pytest.mark.slow
 def test_tiny_deepseek_moe_greedy_matches_reference(tiny_deepseek_moe_dir, eval_text_path):
-    engine = LLMEngine(EngineArgs(tiny_deepseek_moe_dir, kv_cache_memory=KV_MEMORY))
+    engine = make_engine(tiny_deepseek_moe_dir)
     reference = load_deepseek(tiny_deepseek_moe_dir, torch.float32).eval()
     prompts = text_prompts(engine.tokenizer, 32, eval_text_path)
     assert run_greedy(engine, prompts, 64) == reference_greedy_batch(reference, prompts, 64)

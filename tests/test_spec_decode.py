@@ -10,14 +10,15 @@ import random
 import shutil
 from pathlib import Path
 
+import engine_helpers
 import pytest
 import torch
+from engine_helpers import make_engine, run_batch
 from safetensors.torch import load_file, save_file
 
 from ascq.errors import AscqError, UnsupportedError
 from ascq.paths import EVAL_TEXT, PROJECT_DIR
 from ascq.runtime.engine import LLMEngine
-from ascq.runtime.engine_args import EngineArgs
 from ascq.runtime.request import Request
 from ascq.runtime.sampler import Sampler
 from ascq.runtime.sampling_params import SamplingParams
@@ -52,26 +53,8 @@ def draft_config(path, k: int = 4) -> dict:
     return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
 
 
-def make_engine(model_dir, **kwargs) -> LLMEngine:
-    kwargs.setdefault("kv_cache_memory", 32 << 20)
-    return LLMEngine(EngineArgs(model_dir, **kwargs))
-
-
-def run_batch(engine: LLMEngine, prompts: list, params: SamplingParams) -> dict:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def assert_no_leaks(engine: LLMEngine) -> None:
-    stats = engine.get_stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    assert set(engine.block_manager.ref_counts) == {0}
+    engine_helpers.assert_no_leaks(engine)
     draft = getattr(engine.proposer, "block_manager", None)
     if draft is not None:
         assert draft.num_free_blocks == draft.num_blocks and set(draft.ref_counts) == {0}

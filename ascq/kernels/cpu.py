@@ -1,8 +1,10 @@
 """CPU backend: the fastest measured path per scheme and batch size M on this CPU (AVX2 + FMA, no VNNI / AMX).
 
 Paths (thresholds from `python benchmarks/kernel_speed.py`; table in the README "Kernels" section):
-- `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2), so from M >= DENSE_BF16_MAX_M the bf16
-  weight is copied into an fp32 workspace and multiplied in fp32.
+- `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2): below DENSE_BF16_MAX_M rows ascq's
+  native bf16 kernel (bf16_mm.c: the rows share one pass over the weights, 2.8x torch at M=1, 3-4x at M=5, measured
+  at load 10 with `benchmarks/kernel_speed.py`-style timing), from there the bf16 weight is copied into an fp32
+  workspace and multiplied in fp32.
 - `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
   replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as per-token
   16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, 1.5-2.5x torch's int4pack at M=1; from there
@@ -248,9 +250,22 @@ def _dequant_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     return F.linear(fake_quantize_input(x.float(), p.weights), _dequantized(p), p.bias)
 
 
+def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """fp32 x @ weight.T by the native bf16 kernel (M < DENSE_BF16_MAX_M rows share one pass over the weights, each
+    row's result independent of M), or None where it does not apply (weight not bf16, M too large, K % 16, no
+    native library)."""
+    if weight.dtype != torch.bfloat16 or x.shape[0] >= DENSE_BF16_MAX_M or weight.shape[1] % 16:
+        return None
+    lib = native.load()
+    return None if lib is None else native.bf16_mm(lib, x, weight)
+
+
 def _dense_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if p.weight.dtype == torch.bfloat16 and x.shape[0] >= DENSE_BF16_MAX_M:
         return _dequant_linear(x, p)
+    y = bf16_small_m_linear(x, p.weight)
+    if y is not None:
+        return (y if p.bias is None else y + p.bias).to(p.weight.dtype)
     bias = None if p.bias is None else p.bias.to(p.weight.dtype)
     return F.linear(x.to(p.weight.dtype), p.weight, bias)
 

@@ -1,4 +1,5 @@
-"""ascq's native CPU kernels (weight_only_mm.c: W4A16 / W8A16 matmul; paged_decode_attention.c), compiled with the
+"""ascq's native CPU kernels (weight_only_mm.c: W4A16 / W8A16 matmul; bf16_mm.c: bf16-weight matmul for small M;
+paged_decode_attention.c), compiled with the
 system C compiler on first use into one shared library and loaded via ctypes.
 
 No torch headers are needed (the kernels take raw pointers), so a compile takes about a second. The shared object is
@@ -27,7 +28,7 @@ import torch
 
 from ascq.atomic_file import atomic_output
 
-SOURCES = [Path(__file__).with_name(name) for name in ("weight_only_mm.c", "paged_decode_attention.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c")]
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
@@ -73,6 +74,8 @@ def load() -> ctypes.CDLL | None:
     lib.ascq_weight_only_mm.restype = ctypes.c_int
     lib.ascq_weight_only_mm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.ascq_weight_only_mm.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    lib.ascq_bf16_mm.restype = ctypes.c_int
+    lib.ascq_bf16_mm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.ascq_paged_decode_attention.restype = ctypes.c_int
     lib.ascq_paged_decode_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
     lib.ascq_paged_decode_attention.argtypes += [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
@@ -113,6 +116,18 @@ def weight_only_mm(
     )
     if status != 0:
         raise ValueError(f"{bits}-bit kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
+    return y
+
+
+def bf16_mm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (any float dtype; computed in fp32) @ weight.T, weight bf16 [N, K] with K % 16 == 0 -> fp32 [M, N];
+    each row's result is independent of M (see bf16_mm.c)."""
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    status = lib.ascq_bf16_mm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
+                              x.shape[1], torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"bf16 kernel rejected shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     return y
 
 

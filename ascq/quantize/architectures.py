@@ -1,4 +1,5 @@
-"""Per-architecture knowledge the streaming converter needs: build one decoder layer, run it, smoothing mappings.
+"""Per-architecture knowledge the streaming converter needs: build one decoder layer, run it, and the smoothing /
+balance mappings SmoothQuant and AWQ read (data, in llm-compressor's shape: smooth_layer -> balance_layers).
 
 Every family runs ascq's plain-PyTorch reference layer (`ascq.models.decoder.DecoderLayer`; DeepSeek-MoE v1 with
 `ascq.models.deepseek_moe.DeepseekMoE` as its MLP), which shares RMSNorm, rotary, router and attention with the
@@ -7,7 +8,9 @@ runtime; transformers stays the Llama reference in the tests. Everything keeps H
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,84 @@ from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, KVHook, head_
 from ascq.runtime.models.llama import check_llama_config
 
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
-QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BalanceMapping:
+    """`smooth_layer` produces the input that every `balance_layers` linear reads (llm-compressor's AWQMapping /
+    SmoothQuant mapping). Names are module names relative to the decoder layer, or `re:` regexes (full match).
+    A smooth layer that matches several modules (every expert's up_proj) pairs with the balance layers under its
+    own parent module. `exact_layers` read the same output but stay full precision (the MoE router): they are
+    compensated too, so the scales must be powers of two (exact in any float dtype)."""
+
+    smooth_layer: str
+    balance_layers: tuple[str, ...]
+    exact_layers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class BalanceGroup:
+    """One mapping resolved in one layer. `block`: the module whose output AWQ's scale search compares (the lowest
+    common parent of the balance layers, the linear itself when there is one)."""
+
+    smooth_layer: str
+    balance_layers: list[str]
+    exact_layers: list[str]
+    block: str
+    skip_reason: str | None = None  # set when the mapping cannot be applied in this layer
+
+
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+LLAMA_MAPPINGS = (
+    BalanceMapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    BalanceMapping("self_attn.v_proj", ("self_attn.o_proj",)),  # skipped where shapes differ (GQA)
+    BalanceMapping("post_attention_layernorm", _GATE_UP),
+    BalanceMapping("mlp.up_proj", ("mlp.down_proj",)),
+)
+_EXPERT = r"mlp\.(?:experts\.\d+|shared_experts)"
+DEEPSEEK_MOE_MAPPINGS = (
+    *LLAMA_MAPPINGS[:2],
+    # one group for the routed and shared experts (judged on the whole MoE block); the router reads the same norm
+    BalanceMapping("post_attention_layernorm", (rf"re:{_EXPERT}\.(?:gate|up)_proj",), exact_layers=("mlp.gate",)),
+    BalanceMapping(rf"re:{_EXPERT}\.up_proj", (rf"re:{_EXPERT}\.down_proj",)),
+)
+
+
+def module_matches(pattern: str, name: str) -> bool:
+    """`re:REGEX` (full match) or the exact relative module name."""
+    return re.fullmatch(pattern[3:], name) is not None if pattern.startswith("re:") else name == pattern
+
+
+def resolve_mappings(layer: nn.Module, mappings: tuple[BalanceMapping, ...] | list[BalanceMapping]) -> list[BalanceGroup]:
+    """The balance groups of one layer, in mapping order; a producer whose output width differs from its balance
+    layers' input width (v_proj -> o_proj under GQA) gives a group with a `skip_reason`."""
+    modules = dict(layer.named_modules())
+    groups = []
+    for mapping in mappings:
+        for smooth in [n for n in modules if n and module_matches(mapping.smooth_layer, n)]:
+            parent = smooth.rpartition(".")[0]
+            under = [n for n in modules if n.startswith(f"{parent}.") or not parent]
+            balance = [n for n in under if any(module_matches(p, n) for p in mapping.balance_layers)]
+            exact = [n for n in under if any(module_matches(p, n) for p in mapping.exact_layers)]
+            if not balance:
+                continue
+            producer, skip = modules[smooth], None
+            if isinstance(producer, nn.Linear) and any(producer.out_features != modules[n].in_features for n in balance):
+                skip = "shapes differ: GQA"
+            groups.append(BalanceGroup(smooth, balance, exact, _common_parent(balance), skip))
+    return groups
+
+
+def _common_parent(names: list[str]) -> str:
+    if len(names) == 1:
+        return names[0]
+    parts = [n.split(".") for n in names]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
 
 
 class Architecture:
@@ -58,19 +138,17 @@ class Architecture:
             raise AscqError(f"layer {index}: checkpoint tensors do not match the config: {str(exc).splitlines()[0]}") from None
         return layer.eval()
 
-    def smooth_mappings(self, layer: nn.Module) -> list[tuple[str, list[str]]]:
-        """(norm, linears reading its output); for MoE the router and every expert's gate/up are included."""
-        mlp = [f"mlp.{name}" for name in self._mlp_input_linears(layer)]
-        return [("input_layernorm", list(QKV)), ("post_attention_layernorm", mlp)]
+    def balance_mappings(self, index: int) -> tuple[BalanceMapping, ...]:
+        """SmoothQuant's and AWQ's mappings for layer `index` (data; resolve with `balance_groups`)."""
+        return LLAMA_MAPPINGS
+
+    def balance_groups(self, index: int, layer: nn.Module) -> list[BalanceGroup]:
+        return resolve_mappings(layer, self.balance_mappings(index))
 
     def expert_names(self, layer: nn.Module) -> list[str]:
         """Routed expert module names of the layer (`mlp.experts.E`), empty for dense layers."""
         experts = getattr(layer.mlp, "experts", None)
         return [f"mlp.experts.{e}" for e in range(len(experts))] if experts is not None else []
-
-    def _mlp_input_linears(self, layer: nn.Module) -> list[str]:
-        names = [n for n, m in layer.mlp.named_modules() if isinstance(m, nn.Linear)]
-        return [n for n in names if not n.endswith("down_proj")]
 
 
 class LlamaFamily(Architecture):
@@ -94,6 +172,9 @@ class DeepseekMoEArch(Architecture):
         from ascq.models.deepseek_config import DeepseekConfig
 
         self.ds_config = DeepseekConfig.from_dict(config)
+
+    def balance_mappings(self, index: int) -> tuple[BalanceMapping, ...]:
+        return DEEPSEEK_MOE_MAPPINGS if self.ds_config.is_moe_layer(index) else LLAMA_MAPPINGS
 
     def new_layer(self, index: int) -> nn.Module:
         from ascq.models.deepseek_moe import DeepseekDecoderLayer

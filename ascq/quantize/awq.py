@@ -66,6 +66,12 @@ def duo_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float) 
     return scales / (scales.max() * scales.min()).sqrt()
 
 
+def power_of_two(scales: torch.Tensor) -> torch.Tensor:
+    """Scales rounded to the nearest power of two (in log space): multiplying or dividing a float by them is exact,
+    so a full-precision consumer folded with them (the MoE router) computes bit for bit what it did before."""
+    return torch.exp2(torch.log2(scales).round())
+
+
 @torch.no_grad()
 def search_scales(
     x_mean: torch.Tensor,
@@ -73,8 +79,12 @@ def search_scales(
     block_output: Callable[[], torch.Tensor],
     fake_quantize: FakeQuantize | Sequence[FakeQuantize],
     config: AWQSearchConfig,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, float, list[float]]:
     """Best per-input-channel scales for `linears` (which all read the same input, of mean |x| `x_mean`).
+
+    `exact`: every candidate is rounded to powers of two (`power_of_two`), for groups whose producer also feeds a
+    linear that stays full precision.
 
     `block_output()` runs the computation that contains the linears (e.g. the attention or MLP module) on the
     calibration input with the linears' current weights. Returns (scales [in], best α, loss per α); the linears'
@@ -90,6 +100,8 @@ def search_scales(
         for step in range(config.num_grid):
             alpha = step / config.num_grid
             scales = duo_scales(x_mean, w_mean, alpha)
+            if exact:
+                scales = power_of_two(scales)
             for lin, w, quantize in zip(linears, originals, quantizers, strict=True):
                 lin.weight.data = (quantize(w.float() * scales) / scales).to(w.dtype)
             loss = (block_output().float() - reference).pow(2).mean().item()

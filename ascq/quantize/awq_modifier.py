@@ -1,10 +1,13 @@
 """`AWQModifier`: AWQ scale search + clip search per decoder layer, then (with a scheme) round-to-nearest.
 
-Balance groups, in order (AutoAWQ's, with MoE handled as one group per norm):
+Balance groups: the architecture's mappings (`architectures.LLAMA_MAPPINGS`, `DEEPSEEK_MOE_MAPPINGS`), in order
+(AutoAWQ's, with MoE handled as one group per norm); each group's scales are judged on its block's output:
   input_layernorm -> q, k, v (judged on the attention output);
   v_proj -> o_proj, only when their shapes match (skipped under GQA, as AutoAWQ does);
   post_attention_layernorm -> gate/up of the MLP, or of every routed and shared expert together (judged on the
-  whole MoE block output; the router reads the same norm, so the inverse scale is folded into its weight);
+  whole MoE block output; the router reads the same norm and stays full precision, so its weight is multiplied by
+  the scales too, which are then powers of two: norm and router weights are rescaled exactly in any float dtype
+  and the router's logits, hence the routing, are bit for bit those of the source checkpoint);
   up_proj -> down_proj for the dense MLP, each routed expert and the shared experts.
 Experts with fewer routed calibration tokens than `min_expert_tokens` are calibrated on all tokens passed through
 them densely (`moe_coverage`). After the scales, the clip search runs on every quantized linear except q/k.
@@ -23,10 +26,11 @@ import torch
 from torch import nn
 
 from ascq.quantize import awq, qmath
+from ascq.quantize.architectures import BalanceGroup
 from ascq.quantize.input_capture import InputCapture, replay
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
-from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, ExpertCoverage, dense_mlp_inputs, num_tokens
+from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, CoverageLog, dense_mlp_inputs, num_tokens
 from ascq.quantize.schemes import RecipeError, RecipeScheme, parse_recipe_scheme
 
 ARGS = {
@@ -55,14 +59,11 @@ class AWQModifier(Modifier):
         clip_search: bool = True,
         min_expert_tokens: int = DEFAULT_MIN_TOKENS,
     ) -> None:
-        if min_expert_tokens < 0:
-            raise RecipeError(f"{self.name}: min_expert_tokens must be >= 0")
         self.scheme = scheme
         self.search = search
         self.clip_search = clip_search
-        self.min_expert_tokens = min_expert_tokens
+        self.coverage = CoverageLog(self.name, min_expert_tokens)
         self.num_groups = 0
-        self.coverage: dict[str, Any] = {}
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> AWQModifier:
@@ -85,55 +86,41 @@ class AWQModifier(Modifier):
 
     @torch.no_grad()
     def process_layer(self, ctx: LayerContext) -> None:
-        layer = ctx.layer
-        mlps = gated_mlps(layer)
-        experts = [n for n in mlps if ".experts." in n]
-        capture_names = ["self_attn", "self_attn.o_proj", "mlp", *experts, *(f"{m}.down_proj" for m in mlps)]
-        with InputCapture(layer, capture_names) as cap:
+        groups = ctx.arch.balance_groups(ctx.index, ctx.layer)
+        experts = ctx.arch.expert_names(ctx.layer)
+        capture_names = list(dict.fromkeys([*(g.block for g in groups), *experts, *ctx.targets]))
+        with InputCapture(ctx.layer, capture_names) as cap:
             ctx.run()
-        coverage = ExpertCoverage(self.min_expert_tokens, {e: num_tokens(cap.inputs(e)) for e in experts})
+        coverage = self.coverage.layer(ctx.prefix, {e: num_tokens(cap.inputs(e)) for e in experts})
+        # what each module reads, updated as scales are folded (the clip search needs the scaled inputs)
         inputs = {name: cap.inputs(name) for name in capture_names}
+        for expert in (e for e in experts if coverage.needs_dense(e)):
+            dense = dense_mlp_inputs(ctx.module(expert), inputs["mlp"])
+            inputs.update({f"{expert}.{proj}": x for proj, x in dense.items() if f"{expert}.{proj}" in inputs})
         report: dict[str, Any] = {"alpha": {}, "skipped": []}
-
-        # the inputs each quantized linear reads (updated as scales are folded), for the clip search
-        clip_inputs: dict[str, list[torch.Tensor]] = {}
-        qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-        s = self._balance(ctx, "input_layernorm", qkv, [], "self_attn", cap.calls["self_attn"], inputs["self_attn"], report)
-        clip_inputs.update(dict.fromkeys(qkv, _divided(inputs["self_attn"], s)))
-
-        v, o = ctx.module("self_attn.v_proj"), ctx.module("self_attn.o_proj")
-        o_inputs = inputs["self_attn.o_proj"]
-        if v.weight.shape == o.weight.shape:
-            s = self._balance(ctx, "self_attn.v_proj", ["self_attn.o_proj"], [], "self_attn.o_proj", None, o_inputs, report)
-            o_inputs = _divided(o_inputs, s)
-        else:
-            report["skipped"].append("self_attn.v_proj->o_proj (shapes differ: GQA)")
-        clip_inputs["self_attn.o_proj"] = o_inputs
-
-        mlp_in = [f"{m}.{p}" for m in mlps for p in ("gate_proj", "up_proj")]
-        router = ["mlp.gate"] if experts else []
-        mlp_scales = self._balance(ctx, "post_attention_layernorm", mlp_in, router, "mlp", cap.calls["mlp"], inputs["mlp"], report)
-        block_inputs = _divided(inputs["mlp"], mlp_scales)
-        for m in mlps:
-            dense = m in experts and coverage.needs_dense(m)
-            dense_inputs = dense_mlp_inputs(ctx.module(m), block_inputs) if dense else None
-            gate_up_inputs = block_inputs if (dense or m not in experts) else _divided(inputs[m], mlp_scales)
-            clip_inputs[f"{m}.gate_proj"] = clip_inputs[f"{m}.up_proj"] = gate_up_inputs
-            down_inputs = dense_inputs["down_proj"] if dense else inputs[f"{m}.down_proj"]
-            if num_tokens(down_inputs) == 0:
-                report["skipped"].append(f"{m}.up_proj->down_proj (no tokens)")
+        for group in groups:
+            if group.skip_reason is not None:
+                report["skipped"].append(f"{group.smooth_layer}->{group.balance_layers[0]} ({group.skip_reason})")
                 continue
-            down = f"{m}.down_proj"
-            s = self._balance(ctx, f"{m}.up_proj", [down], [], down, None, down_inputs, report)
-            clip_inputs[down] = _divided(down_inputs, s)
+            block = group.block if isinstance(ctx.module(group.block), nn.Linear) else None
+            x = inputs[group.block]
+            if num_tokens(x) == 0:
+                report["skipped"].append(f"{group.smooth_layer}->{group.balance_layers[0]} (no tokens)")
+                continue
+            scales = self._balance(ctx, group, x, None if block else cap.calls[group.block], report)
+            divided: dict[tuple, list[torch.Tensor]] = {}  # linears reading the same tensors share one divided copy
+            for name in group.balance_layers:
+                key = tuple((t.data_ptr(), t.shape) for t in inputs[name])
+                if key not in divided:
+                    divided[key] = _divided(inputs[name], scales)
+                inputs[name] = divided[key]
 
         if self.clip_search:
-            self._clip(ctx, clip_inputs)
+            self._clip(ctx, {name: inputs[name] for name in ctx.targets})
         if self.scheme is not None:
             self._quantize(ctx)
         if experts:
             report["expert_coverage"] = coverage.report()
-            self.coverage.update({f"{ctx.prefix}{k}": v for k, v in coverage.report().items()})
         ctx.report["awq"] = report
 
     def _fake_quantize(self, ctx: LayerContext, name: str):
@@ -147,23 +134,17 @@ class AWQModifier(Modifier):
         return dataclasses.replace(self.search, group_size=group)
 
     def _balance(
-        self,
-        ctx: LayerContext,
-        producer: str,
-        linears: list[str],
-        fold_only: list[str],
-        block: str,
-        calls: list | None,
-        x: list[torch.Tensor],
-        report: dict[str, Any],
+        self, ctx: LayerContext, group: BalanceGroup, x: list[torch.Tensor], calls: list | None, report: dict[str, Any]
     ) -> torch.Tensor:
-        """Search and fold the scales of one balance group; returns them (ones when the group is skipped)."""
+        """Search and fold the scales of one balance group on its block input `x`; returns them (ones when the
+        group is skipped). `calls`: the block's recorded calls (None when the block is one linear)."""
+        linears = group.balance_layers
         ones = torch.ones(ctx.module(linears[0]).weight.shape[1])
         if not all(n in ctx.targets for n in linears):
-            report["skipped"].append(f"{producer} (not every linear is quantized)")
+            report["skipped"].append(f"{group.smooth_layer} (not every linear is quantized)")
             return ones
         modules = [ctx.module(n) for n in linears]
-        block_module = ctx.module(block)
+        block_module = ctx.module(group.block)
         budget = self.search.max_search_tokens
         if calls is None:  # a single linear: its input rows are independent, sample them
             xs = awq.sample_tokens(_flat_cat(x), budget)
@@ -177,14 +158,15 @@ class AWQModifier(Modifier):
             block_output,
             [self._fake_quantize(ctx, n) for n in linears],
             self._search_config(ctx, linears[0]),
+            exact=bool(group.exact_layers),
         )
-        consumers = modules + [ctx.module(n) for n in fold_only]
-        producer_module = ctx.module(producer)
-        if isinstance(producer_module, nn.Linear):
-            awq.fold_into_linear(producer_module, consumers, scales)
+        consumers = modules + [ctx.module(n) for n in group.exact_layers]
+        producer = ctx.module(group.smooth_layer)
+        if isinstance(producer, nn.Linear):
+            awq.fold_into_linear(producer, consumers, scales)
         else:
-            awq.fold_into_norm(producer_module, consumers, scales)
-        report["alpha"][producer] = alpha
+            awq.fold_into_norm(producer, consumers, scales)
+        report["alpha"][group.smooth_layer] = alpha
         self.num_groups += 1
         return scales
 
@@ -205,20 +187,9 @@ class AWQModifier(Modifier):
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"num_balanced_groups": self.num_groups, "clip_search": self.clip_search}
-        if self.coverage:
-            out["expert_coverage"] = self.coverage
+        if self.coverage.blocks:
+            out["expert_coverage"] = self.coverage.blocks
         return out
-
-
-def gated_mlps(layer: nn.Module) -> list[str]:
-    """Module names of the gated MLPs (gate/up/down) of a layer: `mlp`, or `mlp.experts.E` + `mlp.shared_experts`."""
-    names = [n for n, m in layer.named_modules() if all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj"))]
-    return sorted(names, key=lambda n: (n.count("."), _expert_index(n), n))
-
-
-def _expert_index(name: str) -> int:
-    tail = name.rsplit(".", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
 
 
 def _flat_cat(x: list[torch.Tensor]) -> torch.Tensor:

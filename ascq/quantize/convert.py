@@ -19,7 +19,7 @@ from ascq.paths import EVAL_TEXT, portable_name, zoo_root
 from ascq.quantize.architectures import load_architecture
 from ascq.quantize.calibration import CalibrationSet, hub_reachable, load_calibration
 from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
-from ascq.quantize.pipeline import StreamResult, stream_convert
+from ascq.quantize.pipeline import EVAL_SEQ_LEN, StreamResult, stream_convert
 from ascq.quantize.recipe import ComposedRecipe, load_recipes
 from ascq.zoo.manifest import (
     MANIFEST_NAME,
@@ -50,6 +50,7 @@ class ConvertOptions:
     device: str = "cpu"
     format: str = "compressed-tensors"
     eval_text: Path | None = None
+    max_eval_tokens: int | None = 8192  # perplexity before/after on the eval text's first N tokens (None: all of it)
     max_shard_bytes: int = 1 << 30  # pending output is held in memory up to this size
     progress: bool = True
     overwrite: bool = False  # replace an existing entry at `out` (atomically; never the source)
@@ -63,6 +64,8 @@ class ConvertOptions:
             raise AscqError(f"--device {self.device!r}: use one of {', '.join(DEVICES)}")
         if self.format not in FORMATS:
             raise UnsupportedError(f"--format {self.format!r}: supported: {', '.join(FORMATS)}")
+        if self.max_eval_tokens is not None and self.max_eval_tokens < EVAL_SEQ_LEN:
+            raise AscqError(f"--max-eval-tokens must be >= {EVAL_SEQ_LEN} (one eval window), or 0 for the whole text")
         if self.max_shard_bytes < 1:
             raise AscqError("--max-shard-size must be positive")
 
@@ -145,7 +148,7 @@ def _convert(options: ConvertOptions) -> Path:
     if eval_path is not None:
         from ascq.evaluate import load_eval_token_ids
 
-        eval_ids = load_eval_token_ids(tokenizer, eval_path)
+        eval_ids = load_eval_token_ids(tokenizer, eval_path)[: options.max_eval_tokens]
     with staged_entry(target) as staging:
         writer = _writer(options, staging, reader, arch.config)
         result = stream_convert(

@@ -22,7 +22,7 @@ from ascq.quantize.gptq import CholeskyError, GPTQConfig, HessianAccumulator, gp
 from ascq.quantize.input_capture import InputCapture
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
-from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, ExpertCoverage, dense_mlp_inputs
+from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, CoverageLog, dense_mlp_inputs
 from ascq.quantize.schemes import RecipeError, RecipeScheme, parse_recipe_scheme
 
 log = logging.getLogger(__name__)
@@ -44,16 +44,13 @@ class GPTQModifier(Modifier):
     name = "GPTQModifier"
 
     def __init__(self, scheme: RecipeScheme, block_size: int, dampening_frac: float, actorder: bool, min_expert_tokens: int) -> None:
-        if min_expert_tokens < 0:
-            raise RecipeError(f"{self.name}: min_expert_tokens must be >= 0")
         self.scheme = scheme
         self.block_size = block_size
         self.dampening_frac = dampening_frac
         self.actorder = actorder
-        self.min_expert_tokens = min_expert_tokens
+        self.coverage = CoverageLog(self.name, min_expert_tokens)
         self.num_quantized = 0
         self.fallbacks: list[str] = []
-        self.coverage: dict[str, Any] = {}
         self._config(None)  # validate
 
     @classmethod
@@ -101,12 +98,11 @@ class GPTQModifier(Modifier):
             ctx.run()
         if experts:
             counts = {e: hessians[f"{e}.up_proj"].num_tokens if f"{e}.up_proj" in hessians else 0 for e in experts}
-            coverage = ExpertCoverage(self.min_expert_tokens, counts)
+            coverage = self.coverage.layer(ctx.prefix, counts)
             for expert in experts:
                 if coverage.needs_dense(expert):
                     self._dense_hessians(ctx, expert, cap.inputs("mlp"), hessians)
             ctx.report["expert_coverage"] = coverage.report()
-            self.coverage.update({f"{ctx.prefix}{k}": v for k, v in coverage.report().items()})
         for name in owned:
             ctx.results[name] = self._quantize(ctx, name, hessians[name].hessian)
             self.num_quantized += 1
@@ -140,8 +136,8 @@ class GPTQModifier(Modifier):
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"num_quantized_linears": self.num_quantized, "actorder": "static" if self.actorder else None}
         out["rtn_fallbacks"] = self.fallbacks
-        if self.coverage:
-            out["expert_coverage"] = self.coverage
+        if self.coverage.blocks:
+            out["expert_coverage"] = self.coverage.blocks
         return out
 
 

@@ -45,6 +45,27 @@ class ExpertCoverage:
         return blocks
 
 
+@dataclasses.dataclass
+class CoverageLog:
+    """The expert coverage a modifier saw in every MoE layer (its manifest summary's `expert_coverage`)."""
+
+    owner: str  # the modifier's name, for the error message
+    min_tokens: int = DEFAULT_MIN_TOKENS
+    blocks: dict[str, Any] = dataclasses.field(default_factory=dict)  # full MoE block name -> ExpertCoverage.report()
+
+    def __post_init__(self) -> None:
+        if self.min_tokens < 0:
+            from ascq.quantize.schemes import RecipeError
+
+            raise RecipeError(f"{self.owner}: min_expert_tokens must be >= 0")
+
+    def layer(self, prefix: str, tokens: dict[str, int]) -> ExpertCoverage:
+        """The coverage of one layer's experts (routed token counts by relative name), recorded under `prefix`."""
+        coverage = ExpertCoverage(self.min_tokens, tokens)
+        self.blocks.update({f"{prefix}{k}": v for k, v in coverage.report().items()})
+        return coverage
+
+
 def _sort_key(name: str) -> tuple[str, int]:
     match = _EXPERT.match(name)
     return (match["moe"], int(match["index"])) if match else (name, -1)

@@ -123,6 +123,66 @@ def _write_layer(writer: ShardWriter, prefix: str, layer: nn.Module, ctx: LayerC
         writer.add(prefix + key, tensor)
 
 
+@dataclasses.dataclass
+class LayerJob:
+    """What every layer's conversion reads and does not change."""
+
+    reader: CheckpointReader
+    arch: Architecture
+    recipe: ComposedRecipe
+    writer: ShardWriter
+    device: str
+    dtype: torch.dtype  # of the written full-precision tensors
+    scale_dtype: torch.dtype
+    schemes: list[RecipeScheme] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.schemes = self.recipe.schemes()
+
+
+@dataclasses.dataclass
+class StreamState:
+    """What travels from one layer to the next: hidden states, and what the result will record."""
+
+    inputs: list[torch.Tensor]  # calibration hidden states through the quantized layers so far
+    eval_fp: list[torch.Tensor]  # eval windows through the full-precision layers
+    eval_q: list[torch.Tensor]  # ... and through the quantized layers
+    ignored: list[str] = dataclasses.field(default_factory=list)
+    fallbacks: dict[str, str] = dataclasses.field(default_factory=dict)
+    fallback_targets: dict[str, LinearTarget] = dataclasses.field(default_factory=dict)
+    reports: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    names_seen: set[str] = dataclasses.field(default_factory=set)
+    num_quantized: int = 0
+
+
+@torch.no_grad()
+def convert_layer(job: LayerJob, state: StreamState, index: int) -> None:
+    """Load, calibrate, quantize and write decoder layer `index`, then move `state` past it."""
+    arch, prefix = job.arch, job.arch.layer_prefix(index)
+    layer = arch.build_layer(index, job.reader.get_prefix(prefix, torch.float32)).to(job.device)
+    targets, layer_ignored, layer_fallbacks = layer_targets(layer, prefix, job.schemes)
+    state.ignored += layer_ignored
+    state.fallbacks.update(layer_fallbacks)
+    state.fallback_targets.update({prefix + n: t for n, t in targets.items() if prefix + n in layer_fallbacks})
+    state.eval_fp = _forward_all(arch, layer, state.eval_fp)
+    ctx = LayerContext(index, prefix, arch, layer, state.inputs, targets, job.scale_dtype)
+    for modifier in job.recipe.modifiers:
+        modifier.process_layer(ctx)
+    missing = sorted(set(targets) - set(ctx.results))
+    if missing:
+        raise AscqError(f"layer {index}: no modifier in the recipe quantized {prefix}{missing[0]}")
+    _write_layer(job.writer, prefix, layer, ctx, job.dtype)
+    install_quantized(layer, {n: (targets[n], ctx.results[n]) for n in targets})
+    k_scale, v_scale = ctx.extra_tensors.get("self_attn.k_scale"), ctx.extra_tensors.get("self_attn.v_scale")
+    kv_hook = fp8_kv_hook(k_scale, v_scale) if k_scale is not None else None
+    state.inputs = _forward_all(arch, layer, state.inputs, kv_hook)
+    state.eval_q = _forward_all(arch, layer, state.eval_q, kv_hook)
+    state.num_quantized += len(targets)
+    state.names_seen.update(scheme_name(t) for t in targets.values())
+    if ctx.report:
+        state.reports[index] = ctx.report
+
+
 @torch.no_grad()
 def stream_convert(
     reader: CheckpointReader,
@@ -139,61 +199,40 @@ def stream_convert(
     """`writer` picks the output format (default: compressed-tensors shards; see msmodelslim.MsModelSlimWriter)."""
     return_freed_memory_to_os()
     dtype, scale_dtype = checkpoint_dtypes(reader)
-    schemes = recipe.schemes()
-    writer = writer or ShardWriter(out_dir, max_shard_bytes)
+    job = LayerJob(reader, arch, recipe, writer or ShardWriter(out_dir, max_shard_bytes), device, dtype, scale_dtype)
     embed = reader.get("model.embed_tokens.weight")
-    writer.add("model.embed_tokens.weight", embed)
-    inputs = _batches(embed, calib_ids, device)
+    job.writer.add("model.embed_tokens.weight", embed)
     windows = eval_windows(eval_ids, EVAL_SEQ_LEN) if eval_ids is not None else None
-    eval_fp = eval_q = _batches(embed, windows, device) if windows is not None else []
+    eval_batches = _batches(embed, windows, device) if windows is not None else []
+    state = StreamState(_batches(embed, calib_ids, device), eval_batches, eval_batches)
     del embed
-    ignored, fallbacks, fallback_targets, reports, names_seen = [], {}, {}, {}, set()
-    num_quantized = 0
     for index in tqdm(range(arch.num_layers), desc="converting layers", unit="layer", disable=not progress):
-        prefix = arch.layer_prefix(index)
-        layer = arch.build_layer(index, reader.get_prefix(prefix, torch.float32)).to(device)
-        targets, layer_ignored, layer_fallbacks = layer_targets(layer, prefix, schemes)
-        ignored += layer_ignored
-        fallbacks.update(layer_fallbacks)
-        fallback_targets.update({prefix + n: t for n, t in targets.items() if prefix + n in layer_fallbacks})
-        eval_fp = _forward_all(arch, layer, eval_fp)
-        ctx = LayerContext(index, prefix, arch, layer, inputs, targets, scale_dtype)
-        for modifier in recipe.modifiers:
-            modifier.process_layer(ctx)
-        missing = sorted(set(targets) - set(ctx.results))
-        if missing:
-            raise AscqError(f"layer {index}: no modifier in the recipe quantized {prefix}{missing[0]}")
-        _write_layer(writer, prefix, layer, ctx, dtype)
-        install_quantized(layer, {n: (targets[n], ctx.results[n]) for n in targets})
-        k_scale, v_scale = ctx.extra_tensors.get("self_attn.k_scale"), ctx.extra_tensors.get("self_attn.v_scale")
-        kv_hook = fp8_kv_hook(k_scale, v_scale) if k_scale is not None else None
-        inputs = _forward_all(arch, layer, inputs, kv_hook)
-        eval_q = _forward_all(arch, layer, eval_q, kv_hook)
-        num_quantized += len(targets)
-        names_seen.update(scheme_name(t) for t in targets.values())
-        if ctx.report:
-            reports[index] = ctx.report
-        del layer, ctx, targets
+        convert_layer(job, state, index)
         trim_heap()
+    return _finish(job, state, windows)
 
+
+def _finish(job: LayerJob, state: StreamState, windows: torch.Tensor | None) -> StreamResult:
+    """Write the final norm and the head, close the writer, and measure perplexity before/after."""
+    reader = job.reader
     norm = reader.get("model.norm.weight")
-    writer.add("model.norm.weight", norm)
+    job.writer.add("model.norm.weight", norm)
     head_name = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
     if "lm_head.weight" in reader:
-        writer.add("lm_head.weight", reader.get("lm_head.weight"))
-    ignored = ["lm_head", "model.embed_tokens", *ignored]  # tied or not (schemes.ALWAYS_IGNORE)
-    writer.finish()
+        job.writer.add("lm_head.weight", reader.get("lm_head.weight"))
+    ignored = ["lm_head", "model.embed_tokens", *state.ignored]  # tied or not (schemes.ALWAYS_IGNORE)
+    job.writer.finish()
     result = StreamResult(
-        qconfig=quantization_config(schemes, fallback_targets, ignored),
-        scheme="+".join(sorted(names_seen)) or "dense",
-        fallbacks=fallbacks,
-        layers=reports,
-        num_quantized_linears=num_quantized,
+        qconfig=quantization_config(job.schemes, state.fallback_targets, ignored),
+        scheme="+".join(sorted(state.names_seen)) or "dense",
+        fallbacks=state.fallbacks,
+        layers=state.reports,
+        num_quantized_linears=state.num_quantized,
     )
     if windows is not None:
-        head = reader.get(head_name).float().to(device)
-        result.perplexity_base = _perplexity(eval_fp, windows, norm, head, arch)
-        result.perplexity = _perplexity(eval_q, windows, norm, head, arch)
+        head = reader.get(head_name).float().to(job.device)
+        result.perplexity_base = _perplexity(state.eval_fp, windows, norm, head, job.arch)
+        result.perplexity = _perplexity(state.eval_q, windows, norm, head, job.arch)
     return result
 
 

@@ -3,7 +3,8 @@
 Per input channel j of the linears reading a norm's output: `s_j = max|x_j|^α / max|W_:,j|^(1-α)`; the norm weight is
 divided by s and the linears' columns multiplied by it, so the layer computes the same function in full precision.
 `max|W|` is taken over the linears that will be quantized; linears that stay full precision but read the same norm
-(the MoE router) are rescaled too, so their outputs are unchanged.
+(the MoE router) are rescaled too, with the scales rounded to powers of two so their outputs are unchanged bit for
+bit. Default mappings: the architecture's (`architectures.balance_groups`) whose smooth layer is a norm.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import re
 from typing import Any
 
 import torch
+from torch import nn
 
+from ascq.quantize.awq import power_of_two
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, check_args
 from ascq.quantize.schemes import RecipeError
@@ -41,8 +44,11 @@ class SmoothQuantModifier(Modifier):
         return cls(args.get("smoothing_strength", 0.8), mappings)
 
     def layer_mappings(self, ctx: LayerContext) -> list[tuple[str, list[str]]]:
+        """(norm, every linear reading it) per mapping; the quantized ones set the scales, all are rescaled."""
         if self.mappings is None:
-            return ctx.arch.smooth_mappings(ctx.layer)
+            groups = ctx.arch.balance_groups(ctx.index, ctx.layer)
+            norms = [g for g in groups if not isinstance(ctx.module(g.smooth_layer), nn.Linear)]
+            return [(g.smooth_layer, [*g.balance_layers, *g.exact_layers]) for g in norms]
         names = [n for n, _ in ctx.layer.named_modules() if n]
         resolved = []
         for linear_patterns, norm_pattern in self.mappings:
@@ -65,6 +71,8 @@ class SmoothQuantModifier(Modifier):
             alpha = self.smoothing_strength
             scales = act_max[norm].pow(alpha) / weight_max.pow(1 - alpha)
             scales = torch.where(act_max[norm] > 0, scales, torch.ones_like(scales)).clamp(min=MIN_SCALE)
+            if len(quantized) < len(linears):  # a full-precision reader (the router): compensate it exactly
+                scales = power_of_two(scales)
             ctx.module(norm).weight.div_(scales)
             for name in linears:
                 ctx.module(name).weight.mul_(scales)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascq.kernels import cpu
 from ascq.runtime.layers.loadable import assign_parameter
 from ascq.runtime.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
 
@@ -34,5 +35,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 [T, vocab]."""
-        logits = F.linear(hidden, self.weight)
+        logits = cpu.bf16_small_m_linear(hidden, self.weight) if self.weight.device.type == "cpu" else None
+        if logits is None:
+            logits = F.linear(hidden, self.weight)
         return (all_gather_last_dim(logits) if self.tp_size > 1 else logits).float()

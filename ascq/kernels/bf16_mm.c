@@ -1,0 +1,59 @@
+// bf16-weight matmul for small batches on x86 AVX2 (+FMA), compiled on first use by ascq/kernels/native.py.
+//
+// Why it exists: AVX2 has no bf16 GEMM, so torch runs a bf16 F.linear with M rows as M matrix-vector products (one
+// pass over the weights per row): at M = 5 (a speculative verification step, a small decode batch) it costs 5x M = 1.
+// Here up to MAX_ROWS activation rows share one pass over each weight row, and every row is reduced in the same order
+// whatever M is (two fp32 accumulators per row over alternating runs of 8, then a fixed horizontal sum), so a token's
+// result never depends on the rest of the batch: a verification row equals the same token decoded alone.
+#include <immintrin.h>
+#include <stdint.h>
+
+#define MAX_ROWS 4
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) __m256 load_bf16(const uint16_t *w) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t *w, const float *x, int rows, int k,
+                                                           float *out) {
+    __m256 even[MAX_ROWS], odd[MAX_ROWS];
+    for (int m = 0; m < rows; m++) even[m] = odd[m] = _mm256_setzero_ps();
+    for (int i = 0; i < k; i += 16) {
+        __m256 w0 = load_bf16(w + i), w1 = load_bf16(w + i + 8);
+        for (int m = 0; m < rows; m++) {
+            even[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (size_t)m * k + i), even[m]);
+            odd[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + (size_t)m * k + i + 8), odd[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++) out[m] = hsum(_mm256_add_ps(even[m], odd[m]));
+}
+
+// x fp32 [M, K] -> y fp32 [M, N] = x @ w.T, w bf16 (as uint16) [N, K]. Requires K % 16 == 0. Returns 0, or -1.
+int ascq_bf16_mm(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int num_threads) {
+    if (k % 16 || num_rows < 1 || n < 1 || num_threads < 1) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int j = 0; j < n; j++) {
+        const uint16_t *wj = w + (size_t)j * k;
+        for (int m0 = 0; m0 < num_rows; m0 += MAX_ROWS) {
+            int rows = num_rows - m0 < MAX_ROWS ? num_rows - m0 : MAX_ROWS;
+            float out[MAX_ROWS];
+            const float *xm = x + (size_t)m0 * k;
+            switch (rows) {  // a constant row count inside each inlined copy
+            case 1: dot_rows(wj, xm, 1, k, out); break;
+            case 2: dot_rows(wj, xm, 2, k, out); break;
+            case 3: dot_rows(wj, xm, 3, k, out); break;
+            default: dot_rows(wj, xm, 4, k, out); break;
+            }
+            for (int m = 0; m < rows; m++) y[(size_t)(m0 + m) * n + j] = out[m];
+        }
+    }
+    return 0;
+}

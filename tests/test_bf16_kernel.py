@@ -1,0 +1,34 @@
+"""The native bf16-weight kernel (bf16_mm.c) against float64 math, and its batch invariance: a row's result is the
+same bits whatever else is in the batch (speculative verification rows must equal the same token decoded alone)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascq.kernels import cpu, native
+
+LIB = native.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason="native kernels need x86-64 AVX2 and a C compiler")
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (130, 576), (7, 1536)])
+def test_bf16_mm_matches_float64_and_is_batch_invariant(shape):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=g).to(torch.bfloat16)
+    x = torch.randn(cpu.DENSE_BF16_MAX_M - 1, shape[1], generator=g)
+    y = native.bf16_mm(LIB, x, weight)
+    exact = x.double() @ weight.double().T
+    assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    for rows in (slice(0, 1), slice(2, 5), slice(3, 4)):
+        assert torch.equal(native.bf16_mm(LIB, x[rows], weight), y[rows])
+
+
+def test_small_m_linear_applies_only_where_the_kernel_runs():
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    assert cpu.bf16_small_m_linear(torch.randn(2, 64), weight) is not None
+    assert cpu.bf16_small_m_linear(torch.randn(cpu.DENSE_BF16_MAX_M, 64), weight) is None  # fp32 GEMM path
+    assert cpu.bf16_small_m_linear(torch.randn(2, 64), weight.float()) is None
+    assert cpu.bf16_small_m_linear(torch.randn(2, 40), torch.randn(32, 40).to(torch.bfloat16)) is None  # K % 16
+    with pytest.raises(ValueError, match="rejected"):
+        native.bf16_mm(LIB, torch.randn(2, 40), torch.randn(32, 40).to(torch.bfloat16))
