@@ -13,7 +13,6 @@ KV: per token, K and V of this rank's KV heads in this stage's layers.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from typing import Any
@@ -69,12 +68,7 @@ def _quantized(name: str, shape: tuple[int, ...], scheme: WeightScheme | None) -
 
 
 def _tensor_bytes(name: str, shape: tuple[int, ...], scheme: WeightScheme | None) -> int:
-    return _linear_bytes(scheme, *shape) if _quantized(name, shape, scheme) else math.prod(shape) * BF16_BYTES
-
-
-@functools.cache
-def _linear_bytes(scheme: WeightScheme, out_features: int, in_features: int) -> int:
-    return scheme.linear_bytes(out_features, in_features)
+    return scheme.linear_bytes(*shape) if _quantized(name, shape, scheme) else math.prod(shape) * BF16_BYTES
 
 
 def _shard_bytes(name: str, shape: tuple[int, ...], scheme: WeightScheme | None, config: dict[str, Any],
