@@ -6,6 +6,8 @@ The planner and the synthetic checkpoints read it.
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 import torch
@@ -21,8 +23,15 @@ def layer_kind(arch: Architecture, index: int) -> str:
     return "moe" if isinstance(arch, DeepseekMoEArch) and arch.ds_config.is_moe_layer(index) else "dense"
 
 
-def checkpoint_tensors(config: dict[str, Any]) -> list[tuple[str, Shape]]:
-    """(Hugging Face tensor name, shape) of every tensor of the checkpoint `config` describes, in file order."""
+def checkpoint_tensors(config: dict[str, Any]) -> tuple[tuple[str, Shape], ...]:
+    """(Hugging Face tensor name, shape) of every tensor of the checkpoint `config` describes, in file order
+    (memoized per config: the planner and the per-rank sizing ask for the same list many times)."""
+    return _checkpoint_tensors(json.dumps(config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _checkpoint_tensors(config_json: str) -> tuple[tuple[str, Shape], ...]:
+    config = json.loads(config_json)
     arch = architecture_from_config(config)
     hidden, vocab = arch.hidden_size, int(config["vocab_size"])
     layer_tensors: dict[str, list[tuple[str, Shape]]] = {}
@@ -38,4 +47,4 @@ def checkpoint_tensors(config: dict[str, Any]) -> list[tuple[str, Shape]]:
     tensors.append(("model.norm.weight", (hidden,)))
     if not arch.tie_word_embeddings:
         tensors.append(("lm_head.weight", (vocab, hidden)))
-    return tensors
+    return tuple(tensors)
