@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ascq import __version__, paths
+from ascq.errors import AscqError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,3 +59,11 @@ def test_generate_resolves_zoo_names_and_explains_hub_ids(capsys) -> None:
         main(["serve", "someorg/some-model"])
     err = capsys.readouterr().err
     assert info.value.code == 1 and "ascq zoo pull someorg/some-model" in err and err.count("\n") == 1
+
+
+def test_convert_resolves_zoo_names() -> None:
+    from ascq.quantize.convert import resolve_model_dir
+
+    assert resolve_model_dir("tiny-llama") == paths.zoo_root() / "tiny-llama"
+    with pytest.raises(AscqError, match="does not exist"):
+        resolve_model_dir("no-such-entry")

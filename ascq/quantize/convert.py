@@ -71,12 +71,14 @@ class ConvertOptions:
 
 
 def resolve_model_dir(model: str) -> Path:
-    """A local checkpoint folder, or a Hub id downloaded through huggingface_hub (clear error when offline)."""
+    """A local checkpoint folder, a zoo entry name, or a Hub id downloaded through huggingface_hub (clear error when offline)."""
     path = Path(model)
     if path.is_dir():
         return path
     if path.exists():
         raise AscqError(f"{model} is not a folder")
+    if "/" not in model and (zoo_root() / model).is_dir():  # a zoo entry by name, as serve/generate take it
+        return zoo_root() / model
     if model.count("/") != 1 or model.startswith((".", "/", "~")):
         raise AscqError(f"model folder {model} does not exist")
     from huggingface_hub import snapshot_download
