@@ -121,7 +121,7 @@ def test_signal_during_convert_removes_staging(sig, code, word, tmp_path) -> Non
     write_synthetic_checkpoint(model, dict(LLAMA, num_hidden_layers=24, hidden_size=256, intermediate_size=512))
     out = tmp_path / "zoo" / "entry"
     cmd = [sys.executable, "-m", "ascq.cli", "convert", str(model), "--recipe", "w8a8", "--out", str(out),
-           "--num-samples", "8", "--seq-len", "128", "--max-shard-size", "1MB"]  # fmt: skip
+           "--num-samples", "32", "--seq-len", "128", "--max-shard-size", "1MB"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
