@@ -4,7 +4,6 @@ entry, which CI does not have)."""
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import jsonschema
@@ -13,6 +12,7 @@ import pytest
 from test_server import launch_server
 
 from ascq.paths import PROJECT_DIR
+from ascq.runtime.server import launcher
 
 CANDIDATES = [PROJECT_DIR / "zoo" / "smollm2-135m-instruct", Path("/work/main/zoo/smollm2-135m-instruct"),
               Path("/work/smollm2-hf")]
@@ -36,8 +36,7 @@ def client(tmp_path_factory):
     process, base_url = launch_server(SMOLLM2, log, "--served-model-name", "smollm2", "--enable-auto-tool-choice",
                                       "--tool-call-parser", "hermes", startup_timeout_s=300)
     yield openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=300)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=30) == 0
+    assert launcher.stop_server(process, timeout_s=30) == 0  # kills it when the drain does not finish
     assert "Traceback" not in log.read_text()
 
 

@@ -394,12 +394,11 @@ def test_llm_and_cli_generate_take_speculative_config(tiny_llama_dir, capsys):
 
 
 def test_server_streams_speculative_tokens_and_reports_metrics(tiny_llama_dir, tmp_path):
-    import signal
-
     import httpx
     from test_server import API_KEY, launch_server, wait_idle
 
     from ascq import LLM
+    from ascq.runtime.server import launcher
 
     prompt = "def parse(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
     reference = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20).generate(
@@ -423,6 +422,5 @@ def test_server_streams_speculative_tokens_and_reports_metrics(tiny_llama_dir, t
         assert values["vllm:generation_tokens_total"] == 32
         assert values["ascq:num_free_blocks"] == values["ascq:num_total_blocks"]
     finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=20) == 0
+        assert launcher.stop_server(process, timeout_s=20) == 0  # kills it when the drain does not finish
     assert "Traceback" not in (tmp_path / "server.log").read_text()
