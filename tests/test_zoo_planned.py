@@ -128,5 +128,5 @@ def test_card_of_the_planned_entry_shows_the_plan() -> None:
 
     card = ModelCard(render_card(ENTRY))
     assert card.data.license_name == "deepseek" and card.data.base_model == deepseek_moe_16b.SOURCE
-    assert "| `awq-int4` | `w4a16` | 8.5 GiB | 9.4 GiB | 22.5 GiB |" in card.text
+    assert "| `awq-int4` | `w4a16` | 8.8 GiB | 9.7 GiB | 22.8 GiB |" in card.text
     assert deepseek_moe_16b.COMMANDS["convert"] in card.text and "scheme: W4A16_ASYM" in card.text

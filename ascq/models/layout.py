@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from ascq.quantize.architectures import Architecture, DeepseekMoEArch, architecture_from_config
 
@@ -21,6 +23,20 @@ def layer_kind(arch: Architecture, index: int) -> str:
     """"moe" or "dense": everything a decoder layer's tensor names and shapes depend on
     (DeepseekConfig.is_moe_layer is the one dense/MoE rule)."""
     return "moe" if isinstance(arch, DeepseekMoEArch) and arch.ds_config.is_moe_layer(index) else "dense"
+
+
+def decoder_linears(arch: Architecture) -> Iterator[tuple[str, nn.Linear]]:
+    """(full name, meta-device module) of every linear of every decoder layer, without loading a weight: what a
+    recipe's schemes are matched against before the converter streams the layers."""
+    kinds: dict[str, list[tuple[str, nn.Linear]]] = {}
+    for index in range(arch.num_layers):
+        kind = layer_kind(arch, index)
+        if kind not in kinds:
+            with torch.device("meta"):
+                layer = arch.new_layer(index)
+            kinds[kind] = [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+        prefix = arch.layer_prefix(index)
+        yield from ((prefix + name, module) for name, module in kinds[kind])
 
 
 def checkpoint_tensors(config: dict[str, Any]) -> tuple[tuple[str, Shape], ...]:

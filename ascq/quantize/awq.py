@@ -51,10 +51,17 @@ def weight_mean(weights: Sequence[torch.Tensor], group_size: int) -> torch.Tenso
     """|W| normalised by its quantization group's max, averaged over all output rows of the group: -> [in]."""
     w = torch.cat([w.float() for w in weights], dim=0)
     rows, cols = w.shape
-    size = group_size if cols % group_size == 0 else cols
+    size = _group(cols, group_size)
     w = w.abs().view(-1, size)
     w = w / w.amax(dim=1, keepdim=True).clamp(min=1e-12)
     return w.view(rows, cols).mean(dim=0)
+
+
+def _group(in_features: int, group_size: int) -> int:
+    """The caller passes the linear's own group size (`qmath.linear_group_size`; in_features when per channel)."""
+    if in_features % group_size:
+        raise ValueError(f"AWQ: in_features {in_features} is not a multiple of group_size {group_size}")
+    return group_size
 
 
 def duo_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float) -> torch.Tensor:
@@ -157,7 +164,7 @@ def search_clip(
     """
     w = weight.float()
     out_dim, in_dim = w.shape
-    size = config.group_size if in_dim % config.group_size == 0 else in_dim
+    size = _group(in_dim, config.group_size)
     num_groups = in_dim // size
     xs = sample_tokens(x, config.max_clip_tokens).view(-1, num_groups, size)  # [n, g, s]
     original_max = w.abs().view(out_dim, num_groups, size).amax(dim=-1)  # [out, g]

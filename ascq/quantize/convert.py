@@ -207,6 +207,7 @@ def build_manifest(
         conversion={
             **conversion,
             "num_quantized_linears": result.num_quantized_linears,
+            "group_size_fits": [fit.record() for fit in result.group_size_fits],
             "group_size_fallbacks": result.fallbacks,
             "modifiers": [{"name": m.name, **m.summary()} for m in recipe.modifiers],
             "layers": result.layers,
@@ -268,6 +269,9 @@ def format_summary(entry: Path) -> str:
     if metrics.get("perplexity"):
         delta = 100 * (metrics["perplexity"] / metrics["perplexity_base"] - 1)
         lines.append(f"perplexity {metrics['perplexity_base']:.3f} -> {metrics['perplexity']:.3f} ({delta:+.2f}%)")
+    for fit in (f for f in conv.get("group_size_fits", []) if f["group_size"]):
+        lines.append(f"group size {fit['group_size']} instead of the recipe's {fit['recipe_group_size']} "
+                     f"(input widths {', '.join(map(str, fit['in_features']))})")
     if conv["group_size_fallbacks"]:
         lines.append(f"{len(conv['group_size_fallbacks'])} linears fell back to per-channel (see ascq.json)")
     return "\n".join(lines)

@@ -24,12 +24,21 @@ from tqdm import tqdm
 from ascq.errors import AscqError
 from ascq.evaluate import eval_windows, perplexity
 from ascq.formats.safetensors import CheckpointReader
+from ascq.models.layout import decoder_linears
 from ascq.quantize.architectures import Architecture
 from ascq.quantize.ct_writer import ShardWriter, quantization_config
 from ascq.quantize.layer_context import LayerContext
+from ascq.quantize.qmath import linear_group_size
 from ascq.quantize.recipe import ComposedRecipe
 from ascq.quantize.reference_forward import fp8_kv_hook, install_quantized, rms_norm
-from ascq.quantize.schemes import LinearTarget, RecipeScheme, resolve_target, scheme_name
+from ascq.quantize.schemes import (
+    GroupSizeFit,
+    LinearTarget,
+    RecipeScheme,
+    fit_group_sizes,
+    resolve_target,
+    scheme_name,
+)
 
 log = logging.getLogger(__name__)
 EVAL_SEQ_LEN = 256
@@ -41,6 +50,7 @@ class StreamResult:
     qconfig: QuantizationConfig
     scheme: str
     fallbacks: dict[str, str]  # full linear name -> why its group size fell back to per-channel
+    group_size_fits: list[GroupSizeFit]  # config groups whose recipe group size was lowered (or fell back)
     layers: dict[int, dict[str, Any]]
     num_quantized_linears: int
     perplexity_base: float | None = None
@@ -88,11 +98,10 @@ def layer_targets(
             ignored.append(prefix + name)
             continue
         group = target.weights.group_size
-        if target.weights.strategy == "group" and module.in_features % group:
+        if target.weights.strategy == "group" and linear_group_size(group, module.in_features) is None:
             channel = target.weights.model_copy(update={"strategy": "channel", "group_size": None})
             target = LinearTarget(channel, target.input_activations, target.owner)
             fallbacks[prefix + name] = f"in_features {module.in_features} not divisible by group_size {group}: per-channel"
-            log.warning("%s: %s", prefix + name, fallbacks[prefix + name])
         targets[name] = target
     return targets, ignored, fallbacks
 
@@ -135,9 +144,13 @@ class LayerJob:
     dtype: torch.dtype  # of the written full-precision tensors
     scale_dtype: torch.dtype
     schemes: list[RecipeScheme] = dataclasses.field(init=False)
+    group_size_fits: list[GroupSizeFit] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.schemes = self.recipe.schemes()
+        self.group_size_fits = fit_group_sizes(self.schemes, decoder_linears(self.arch))
+        for fit in self.group_size_fits:
+            log.warning("%s", fit.message())
 
 
 @dataclasses.dataclass
@@ -226,6 +239,7 @@ def _finish(job: LayerJob, state: StreamState, windows: torch.Tensor | None) -> 
         qconfig=quantization_config(job.schemes, state.fallback_targets, ignored),
         scheme="+".join(sorted(state.names_seen)) or "dense",
         fallbacks=state.fallbacks,
+        group_size_fits=job.group_size_fits,
         layers=state.reports,
         num_quantized_linears=state.num_quantized,
     )

@@ -9,6 +9,8 @@ written are exactly the values the chosen scale produces.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
@@ -61,6 +63,31 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int) -> torch.Tensor:
     return dequantize(quantize(x, scale, zero_point, num_bits), scale, zero_point).to(x.dtype)
+
+
+MIN_FITTED_GROUP_SIZE = 32  # vLLM's int4 kernels (Marlin) take group sizes 32, 64, 128 or per-channel
+
+
+def fitted_group_size(group_size: int, in_features: Iterable[int]) -> int | None:
+    """The one group size a checkpoint uses for a recipe's `group_size` (an upper bound) over the input widths of the
+    linears it quantizes: `group_size` when it divides every width, else the largest power of two in
+    [MIN_FITTED_GROUP_SIZE, group_size] that does (SmolLM2's 576 = 9 · 64: 64 instead of 128); None when there is
+    none, and then each linear whose width `group_size` does not divide is quantized per channel
+    (`linear_group_size`). One value per config group keeps compressed-tensors' single `group_size` valid."""
+    widths = set(in_features)
+    if all(w % group_size == 0 for w in widths):
+        return group_size
+    size = 1 << (group_size.bit_length() - 1)  # largest power of two <= group_size
+    while size >= MIN_FITTED_GROUP_SIZE:
+        if all(w % size == 0 for w in widths):
+            return size
+        size //= 2
+    return None
+
+
+def linear_group_size(group_size: int | None, in_features: int) -> int | None:
+    """A linear's group size under a checkpoint group size (None: per channel, also when it does not divide)."""
+    return group_size if group_size and in_features % group_size == 0 else None
 
 
 def to_groups(w: torch.Tensor, strategy: str, group_size: int | None) -> torch.Tensor:

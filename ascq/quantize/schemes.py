@@ -8,6 +8,7 @@ parsed into a `RecipeScheme`; matching uses compressed-tensors' own matcher so a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -17,6 +18,7 @@ from torch import nn
 
 from ascq.errors import AscqError, UnsupportedError
 from ascq.formats import compressed_tensors as ct
+from ascq.quantize.qmath import fitted_group_size
 
 DEFAULT_TARGETS = ["Linear"]
 # lm_head and embeddings stay full precision, as does the MoE router (its logits pick the experts).
@@ -124,15 +126,71 @@ def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None
     return RecipeScheme(owner=owner, config_groups=groups, ignore=ignore, kv_cache_scheme=kv)
 
 
-def resolve_target(name: str, module: nn.Module, schemes: list[RecipeScheme]) -> LinearTarget | None:
-    """The scheme for one module (full name): the first recipe scheme whose groups match it; None = keep."""
+def _match(name: str, module: nn.Module, schemes: list[RecipeScheme]) -> tuple[RecipeScheme, QuantizationScheme] | None:
+    """(recipe scheme, config group) of one module (full name): the first recipe scheme whose groups match it."""
     if ct.is_ignored(name, ALWAYS_IGNORE, module):
         return None
     for recipe_scheme in schemes:
         scheme = ct.match_scheme(name, recipe_scheme.config_groups.values(), recipe_scheme.ignore, module)
         if scheme is not None:
-            return LinearTarget(scheme.weights, scheme.input_activations, recipe_scheme)
+            return recipe_scheme, scheme
     return None
+
+
+def resolve_target(name: str, module: nn.Module, schemes: list[RecipeScheme]) -> LinearTarget | None:
+    """The scheme for one module (full name); None = keep."""
+    match = _match(name, module, schemes)
+    if match is None:
+        return None
+    recipe_scheme, scheme = match
+    return LinearTarget(scheme.weights, scheme.input_activations, recipe_scheme)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSizeFit:
+    """A config group whose recipe group size does not divide every linear it quantizes (`qmath.fitted_group_size`)."""
+
+    modifier: str
+    group: str
+    recipe_group_size: int
+    group_size: int | None  # what the checkpoint uses; None: per channel where the recipe's does not divide
+    in_features: tuple[int, ...]  # the input widths of the group's linears
+
+    def message(self) -> str:
+        widths = ", ".join(str(w) for w in self.in_features)
+        if self.group_size is None:
+            return (f"{self.modifier} {self.group}: group_size {self.recipe_group_size} does not divide every input "
+                    f"width ({widths}) and no power of two >= 32 does: linears it does not divide are per-channel")
+        return (f"{self.modifier} {self.group}: group_size {self.recipe_group_size} does not divide every input width "
+                f"({widths}): using group_size {self.group_size}")
+
+    def record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"in_features": list(self.in_features)}
+
+
+def fit_group_sizes(schemes: list[RecipeScheme], linears: Iterable[tuple[str, nn.Module]]) -> list[GroupSizeFit]:
+    """Give every grouped config group the one group size `qmath.fitted_group_size` picks over the linears
+    (full name, module) it quantizes, in place, before any layer is converted: quantizers, the writer and
+    `quantization_config` then all read it from the scheme. Returns the groups whose group size did not fit."""
+    owners = {id(g): (rs, key) for rs in schemes for key, g in rs.config_groups.items()}
+    widths: dict[int, set[int]] = {}
+    for name, module in linears:
+        match = _match(name, module, schemes)
+        if match is not None and match[1].weights.strategy == "group":
+            widths.setdefault(id(match[1]), set()).add(int(module.in_features))
+    fits = []
+    for scheme_id, seen in widths.items():
+        recipe_scheme, key = owners[scheme_id]
+        scheme = recipe_scheme.config_groups[key]
+        recipe_size = int(scheme.weights.group_size)
+        fitted = fitted_group_size(recipe_size, seen)
+        if fitted == recipe_size:
+            continue
+        fits.append(GroupSizeFit(recipe_scheme.owner, key, recipe_size, fitted, tuple(sorted(seen))))
+        if fitted is not None:
+            weights = scheme.weights.model_copy(update={"group_size": fitted})
+            recipe_scheme.config_groups[key] = scheme.model_copy(update={"weights": weights})
+    return fits
 
 
 def scheme_name(target: LinearTarget) -> str:

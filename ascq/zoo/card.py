@@ -153,7 +153,13 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
             text += f"; activations int{a.get('num_bits')} {'dynamic' if a.get('dynamic') else 'static'} {a.get('strategy')}"
         groups.append(text)
     ignore = ", ".join(f"`{i}`" for i in qc.get("ignore") or []) or "none"
-    return f"compressed-tensors `{qc.get('format')}` ({'; '.join(groups)}); not quantized: {ignore}"
+    fits = "".join(
+        f"; the recipe's group size {fit['recipe_group_size']} does not divide every input width "
+        f"({', '.join(map(str, fit['in_features']))}): "
+        + (f"group size {fit['group_size']}" if fit["group_size"] else "per-channel where it does not divide")
+        for fit in (manifest.get("conversion") or {}).get("group_size_fits", [])
+    )
+    return f"compressed-tensors `{qc.get('format')}` ({'; '.join(groups)}); not quantized: {ignore}{fits}"
 
 
 def _recipe_section(manifest: dict[str, Any]) -> str:

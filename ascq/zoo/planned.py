@@ -9,6 +9,7 @@ KiB, are not counted): quantized linears as `ascq.formats.compressed_tensors.lin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,6 +25,7 @@ from ascq.errors import AscqError
 from ascq.formats import compressed_tensors as ct
 from ascq.models.decoder import head_dim_of
 from ascq.models.layout import Shape, checkpoint_tensors
+from ascq.quantize.qmath import fitted_group_size, linear_group_size
 from ascq.zoo.manifest import (
     MANIFEST_NAME,
     list_entry_files,
@@ -64,9 +66,20 @@ class WeightScheme:
         static = self.static_input_scale
         return QuantizationArgs(num_bits=8, strategy="tensor" if static else "token", dynamic=not static)
 
+    def for_linear(self, in_features: int) -> WeightScheme:
+        """This scheme for one linear: per channel where the group size does not divide it (`qmath.linear_group_size`)."""
+        group = linear_group_size(self.group_size, in_features)
+        return self if group == self.group_size else dataclasses.replace(self, group_size=group)
+
+    def fitted(self, in_features: Sequence[int]) -> WeightScheme:
+        """The checkpoint's scheme over its quantized linears' input widths (`qmath.fitted_group_size`)."""
+        if not self.group_size or not in_features:
+            return self
+        return dataclasses.replace(self, group_size=fitted_group_size(self.group_size, in_features) or self.group_size)
+
     def linear_bytes(self, out_features: int, in_features: int) -> int:
         """Bytes of one linear as compressed-tensors stores it (`ascq.formats.compressed_tensors.linear_bytes`)."""
-        return _linear_bytes(self, out_features, in_features)
+        return _linear_bytes(self.for_linear(in_features), out_features, in_features)
 
 
 @functools.cache
@@ -96,13 +109,23 @@ def _is_quantized(name: str, shape: Shape) -> bool:
     return len(shape) == 2 and not module.endswith(EXCLUDED_LINEARS) and "embed_tokens" not in module
 
 
+def recipe_scheme(config: dict[str, Any], recipe: str | None,
+                  tensors: Sequence[tuple[str, Shape]] | None = None) -> WeightScheme | None:
+    """How `recipe` stores this model's linears, its group size fitted to their input widths as the converter fits
+    it (None: the bf16 original)."""
+    scheme = RECIPE_SCHEMES.get(recipe) if recipe else None
+    if recipe and scheme is None:
+        raise AscqError(f"unknown recipe '{recipe}'; known: {', '.join(sorted(RECIPE_SCHEMES))}")
+    if scheme is None:
+        return None
+    return scheme.fitted(sorted({shape[1] for name, shape in tensors or checkpoint_tensors(config) if _is_quantized(name, shape)}))
+
+
 def checkpoint_bytes(config: dict[str, Any], recipe: str | None, tensors: Sequence[tuple[str, Shape]] | None = None) -> int:
     """Tensor payload bytes of the checkpoint `recipe` produces (None: the bf16 original); `tensors` defaults to
     `checkpoint_tensors(config)`. Each distinct (kind, shape) is sized once: a MoE checkpoint repeats a few shapes
     tens of thousands of times."""
-    scheme = RECIPE_SCHEMES.get(recipe) if recipe else None
-    if recipe and scheme is None:
-        raise AscqError(f"unknown recipe '{recipe}'; known: {', '.join(sorted(RECIPE_SCHEMES))}")
+    scheme = recipe_scheme(config, recipe, tensors)
     counts = Counter((scheme is not None and _is_quantized(name, shape), shape)
                      for name, shape in tensors or checkpoint_tensors(config))
     return sum(num * (scheme.linear_bytes(*shape) if quantized else math.prod(shape) * BF16_BYTES)

@@ -20,7 +20,13 @@ from typing import Any
 from ascq.models.decoder import head_dim_of
 from ascq.runtime.distributed.pipeline import stage_layers
 from ascq.runtime.parallel import divide, kv_heads_per_rank
-from ascq.zoo.planned import BF16_BYTES, EXCLUDED_LINEARS, RECIPE_SCHEMES, WeightScheme, checkpoint_tensors
+from ascq.zoo.planned import (
+    BF16_BYTES,
+    EXCLUDED_LINEARS,
+    WeightScheme,
+    checkpoint_tensors,
+    recipe_scheme,
+)
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -33,7 +39,7 @@ def per_rank_memory(config: dict[str, Any], tp: int, pp: int = 1, recipe: str | 
                     tp_rank: int = 0) -> dict[str, int]:
     """{"weight_bytes", "kv_bytes_per_token"} of rank (pp_rank, tp_rank); `recipe`: a recipe name of
     ascq.zoo.planned.RECIPE_SCHEMES, None for the bf16 original."""
-    scheme = RECIPE_SCHEMES[recipe] if recipe else None
+    scheme = recipe_scheme(config, recipe)
     layers = set(stage_layers(config["num_hidden_layers"], pp, pp_rank))
     experts_per_rank = divide(config.get("n_routed_experts") or tp, tp) if expert_parallel else None
     weights = 0
@@ -83,6 +89,7 @@ def _shard_bytes(name: str, shape: tuple[int, ...], scheme: WeightScheme | None,
         return _tensor_bytes(name, (divide(shape[0], tp), shape[1]), scheme)
     if module in ROW_PARALLEL:
         local_in = divide(shape[1], tp)
+        scheme = scheme.for_linear(shape[1]) if scheme is not None else None
         if tp > 1 and _quantized(name, shape, scheme) and scheme.group_size and local_in % scheme.group_size:
             scheme = dataclasses.replace(scheme, group_size=math.gcd(scheme.group_size, local_in))
         return _tensor_bytes(name, (shape[0], local_in), scheme)

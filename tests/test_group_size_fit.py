@@ -1,0 +1,124 @@
+"""The recipe's group size is an upper bound: a model whose linears' input widths it does not divide (SmolLM2's
+hidden 576) gets the largest power of two >= 32 that divides them all, one value per checkpoint. Checked against
+plain-PyTorch fake quantization, transformers loading the checkpoint (compressed-tensors decompressing it), and the
+planner's sizes against the bytes written."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ascq.quantize.convert import ConvertOptions, convert, format_summary
+from ascq.quantize.qmath import fitted_group_size, linear_group_size
+from ascq.quantize.reference_forward import reference_logits
+from ascq.quantize.synthetic import write_synthetic_checkpoint
+from ascq.zoo.card import render_card
+from ascq.zoo.manifest import read_manifest
+from ascq.zoo.planned import checkpoint_bytes
+from ascq.zoo.verify import read_tensor_infos
+
+# widths 192 = 3 * 64 and 448 = 7 * 64: 128 divides neither, 64 divides both (as 576 and 1536 in SmolLM2)
+CONFIG = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=192, intermediate_size=448,
+    num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5,
+    rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True, torch_dtype="bfloat16",
+    bos_token_id=256, eos_token_id=256,
+)  # fmt: skip
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "I8": 1}
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def test_fitted_group_size_rule() -> None:
+    assert fitted_group_size(128, [576, 1536]) == 64  # SmolLM2-135M
+    assert fitted_group_size(128, [4096, 11008]) == 128  # divides: the recipe's own value
+    assert fitted_group_size(128, [96, 192]) == 32
+    assert fitted_group_size(128, [128, 200]) is None  # 200 = 8 * 25: no power of two >= 32
+    assert fitted_group_size(96, [192, 288]) == 96  # a recipe's non-power-of-two value is kept when it divides
+    assert fitted_group_size(96, [192, 320]) == 64
+    assert fitted_group_size(16, [48]) == 16 and fitted_group_size(16, [40]) is None
+    assert linear_group_size(128, 200) is None and linear_group_size(128, 256) == 128 and linear_group_size(None, 256) is None
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("llama-192")
+    write_synthetic_checkpoint(path, CONFIG)
+    return path
+
+
+@pytest.fixture(scope="module")
+def entries(source: Path, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("entries")
+    return {recipe: convert(ConvertOptions(str(source), [recipe], out=out / recipe, num_samples=4, seq_len=64,
+                                           progress=False))
+            for recipe in ("w4a16-rtn", "awq-int4", "w4a16-gptq")}
+
+
+def _plain_rtn(w: torch.Tensor, group: int, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Asymmetric int4 [-8, 7] min-max round-to-nearest over groups of `group` input columns, in plain PyTorch."""
+    out_features, in_features = w.shape
+    g = w.float().reshape(out_features, in_features // group, group)
+    lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
+    scale = (hi - lo) / 15
+    zero = torch.round((-8 - lo / scale).clamp(-8, 7))
+    scale = scale.to(scale_dtype).float()
+    q = torch.round(torch.clamp(g / scale + zero, -8, 7))  # compressed-tensors' order: add, clamp, round
+    return ((q - zero) * scale).reshape(out_features, in_features)
+
+
+def _transformers_weights(entry: Path) -> dict[str, torch.Tensor]:
+    """Every quantized linear's weight as transformers loads it, decompressed by compressed-tensors."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        entry, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    return {name: module.weight.detach() for name, module in model.named_modules() if name.endswith(LINEARS)}
+
+
+def _quantization_config(entry: Path) -> dict:
+    return json.loads((entry / "config.json").read_text())["quantization_config"]
+
+
+@pytest.mark.parametrize("recipe", ["w4a16-rtn", "awq-int4", "w4a16-gptq"])
+def test_one_fitted_group_size_written_recorded_and_loaded(recipe: str, entries: dict[str, Path]) -> None:
+    entry = entries[recipe]
+    qc = _quantization_config(entry)
+    assert list(qc["config_groups"]) == ["group_0"]  # no per-linear fallback groups
+    assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 64
+    manifest = read_manifest(entry)
+    assert manifest["conversion"]["group_size_fallbacks"] == {}
+    [fit] = manifest["conversion"]["group_size_fits"]
+    assert (fit["recipe_group_size"], fit["group_size"], fit["in_features"]) == (128, 64, [192, 448])
+    assert "group size 64 instead of the recipe's 128" in format_summary(entry)
+    assert "weights int4 group 64" in render_card(entry) and "does not divide every input width" in render_card(entry)
+    scale_shapes = {shape for name, (_, shape) in read_tensor_infos(entry).items() if name.endswith("weight_scale")}
+    assert {s[1] for s in scale_shapes} == {192 // 64, 448 // 64}, scale_shapes
+    weights = _transformers_weights(entry)
+    assert len(weights) == 2 * len(LINEARS)
+    for name, w in weights.items():  # int4 groups of 64 columns: at most 16 distinct values per (row, group)
+        groups = w.reshape(w.shape[0], -1, 64)
+        assert max(len(torch.unique(groups[r, g])) for r in range(0, w.shape[0], 17) for g in range(groups.shape[1])) <= 16, name
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(entry, dtype=torch.float32)(ids).logits
+    ours = reference_logits(entry, ids)
+    assert (hf - ours).abs().max() <= 1e-3 * (ours.max() - ours.min())
+    assert checkpoint_bytes(CONFIG, recipe) == sum(math.prod(s) * DTYPE_BYTES[d] for d, s in read_tensor_infos(entry).values())
+
+
+def test_rtn_weights_are_plain_pytorch_fake_quant_at_the_fitted_group_size(entries: dict[str, Path], source: Path) -> None:
+    from safetensors.torch import load_file
+
+    original = load_file(source / "model.safetensors")
+    for name, w in _transformers_weights(entries["w4a16-rtn"]).items():
+        expected = _plain_rtn(original[f"{name}.weight"], 64, torch.bfloat16)
+        torch.testing.assert_close(w, expected, rtol=0, atol=1e-6, msg=name)
+        assert not torch.allclose(w, _plain_rtn(original[f"{name}.weight"], 32, torch.bfloat16)), name
