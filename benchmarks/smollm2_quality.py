@@ -12,7 +12,7 @@ check uses transformers' number where there is one. Agreement: each of the 20 pr
 contains its key, the share where the quantized entry's answer contains it too.
 
     OMP_NUM_THREADS=2 python benchmarks/smollm2_quality.py --model zoo/smollm2-135m-instruct [--recipes ...] \
-        [--num-samples 64 --seq-len 512] [--json out.json]
+        [--num-samples 64 --seq-len 512] [--convert-eval-tokens 256] [--json out.json]
 """
 
 from __future__ import annotations
@@ -105,12 +105,15 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--num-samples", type=int, default=None, help="calibration blocks (convert's default)")
     parser.add_argument("--seq-len", type=int, default=None, help="calibration block length (convert's default)")
+    parser.add_argument("--convert-eval-tokens", type=int, default=None,
+                        help="convert's own before/after perplexity tokens (--max-eval-tokens; this script measures its own)")
     parser.add_argument("--json")
     args = parser.parse_args()
     model, work = Path(args.model), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     extra = [*(["--num-samples", str(args.num_samples)] if args.num_samples else []),
-             *(["--seq-len", str(args.seq_len)] if args.seq_len else [])]
+             *(["--seq-len", str(args.seq_len)] if args.seq_len else []),
+             *(["--max-eval-tokens", str(args.convert_eval_tokens)] if args.convert_eval_tokens else [])]
     ids = load_eval_token_ids(model, EVAL_TEXT)
     print(f"eval: {EVAL_TEXT}, {ids.numel()} tokens, windows of {args.window}")
 

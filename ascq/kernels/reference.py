@@ -139,9 +139,11 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     num_heads, seq_len, query_len = q.shape[1], keys.shape[0], q.shape[0]
     group = num_heads // keys.shape[1]
     keys, values = keys.float().repeat_interleave(group, dim=1), values.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
-    scores = scores.masked_fill(~causal_visible(seq_len, query_len, q.device), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+    # in place: each [H, Tq, S] temporary is a fresh mmap under the converter's malloc settings (page faults)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys).mul_(scale)
+    scores.masked_fill_(~causal_visible(seq_len, query_len, q.device), float("-inf"))
+    scores = scores.softmax(dim=-1) if scores.requires_grad else torch.softmax(scores, dim=-1, out=scores)
+    return torch.einsum("hqk,khd->qhd", scores, values)
 
 
 def select_experts(

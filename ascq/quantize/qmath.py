@@ -163,15 +163,15 @@ def quantize_per_token(x: torch.Tensor, num_bits: int = 8) -> tuple[torch.Tensor
     """
     qmin, qmax = int_range(num_bits)
     x32 = x.float()
-    scale = x32.abs().amax(dim=-1, keepdim=True) / qmax
-    q = torch.round(x32 / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp(qmin, qmax)
-    return q, scale
+    scale = torch.linalg.vector_norm(x32, float("inf"), dim=-1, keepdim=True) / qmax  # max |x|, no |x| temporary
+    q = x32 / torch.where(scale > 0, scale, torch.ones_like(scale))
+    return q.round_().clamp_(qmin, qmax), scale
 
 
 def per_token_fake_quantize(x: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
     """`quantize_per_token`, dequantized, in x.dtype: the activation a dynamic W8A8/W4A8 linear multiplies."""
     q, scale = quantize_per_token(x, num_bits)
-    return (q * scale).to(x.dtype)
+    return q.mul_(scale).to(x.dtype)
 
 
 def quantize_static_input(
