@@ -293,9 +293,10 @@ def contiguous_attention(q, k, v, scale):
 # (query_len, seq_len): decodes, a fresh prefill, prefix-cache hits / chunked prefill, a one-token sequence
 MIXED_BATCH = [(1, 37), (7, 7), (1, 1), (5, 150), (1, 129), (20, 40), (1, 300)]
 DECODE_BATCH = [(1, 37), (1, 1), (1, 300), (1, 129)]  # a pure decode step takes its own batched path
+SHORT_BATCH = [(5, 150), (1, 37), (3, 3), (8, 20)]  # verification rows only: all run as one-token rows
 
 
-@pytest.mark.parametrize("batch", [MIXED_BATCH, DECODE_BATCH], ids=["mixed", "decode"])
+@pytest.mark.parametrize("batch", [MIXED_BATCH, DECODE_BATCH, SHORT_BATCH], ids=["mixed", "decode", "short"])
 @pytest.mark.parametrize("kv", ["same", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [16, 128])
@@ -326,6 +327,27 @@ def test_paged_attention_matches_contiguous_sdpa(backend, block_size, dtype, kv,
         expected = contiguous_attention(query[rows].to(dtype).float(), k, v, scale)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         assert rel_error(out[rows], expected) < tolerance, f"sequence {s}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_short_chunk_rows_equal_each_token_decoded_alone(dtype):
+    """cpu backend (native decode kernel, each row reduced alone): a speculative verification chunk (5 query rows
+    ending at context 150) gets, row by row, bit for bit the attention each token gets when decoded alone, so
+    verification never changes a greedy token. (torch's padded batched path, cuda's, is close but not bitwise: the
+    mixed/short cases above check it.)"""
+    backend = "cpu"
+    num_heads, num_kv_heads, head_dim, scale, chunk, context = 9, 3, 64, 0.125, 5, 150
+    kernels = get_backend(backend)
+    k_cache, v_cache, block_tables, _, _ = build_paged_batch(
+        kernels, [(chunk, context)], 16, num_kv_heads, head_dim, dtype, 1.0, 1.0
+    )
+    query = torch.randn(chunk, num_heads, head_dim, generator=torch.Generator().manual_seed(3)).to(dtype)
+    together = kernels.paged_attention(query, k_cache, v_cache, block_tables, torch.tensor([0, chunk]),
+                                       torch.tensor([context]), scale)
+    for i in range(chunk):
+        alone = kernels.paged_attention(query[i:i + 1], k_cache, v_cache, block_tables, torch.tensor([0, 1]),
+                                        torch.tensor([context - chunk + 1 + i]), scale)
+        assert torch.equal(together[i:i + 1], alone), f"row {i}"
 
 
 @pytest.mark.parametrize("native_available", [True, False], ids=["native", "torch"])

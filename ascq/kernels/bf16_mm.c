@@ -8,7 +8,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define MAX_ROWS 4
+#define MAX_ROWS 6  // 12 accumulators + 2 weight registers of AVX2's 16: k = 5 proposals verify in one pass
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -50,7 +50,9 @@ int ascq_bf16_mm(const float *x, const uint16_t *w, float *y, int num_rows, int 
             case 1: dot_rows(wj, xm, 1, k, out); break;
             case 2: dot_rows(wj, xm, 2, k, out); break;
             case 3: dot_rows(wj, xm, 3, k, out); break;
-            default: dot_rows(wj, xm, 4, k, out); break;
+            case 4: dot_rows(wj, xm, 4, k, out); break;
+            case 5: dot_rows(wj, xm, 5, k, out); break;
+            default: dot_rows(wj, xm, 6, k, out); break;
             }
             for (int m = 0; m < rows; m++) y[(size_t)(m0 + m) * n + j] = out[m];
         }

@@ -1,8 +1,8 @@
 """Paged KV cache write + attention built on torch's scaled_dot_product_attention; shared by the `cpu` and `cuda`
 backends.
 
-Decode rows (one query token per sequence) run as one batched fp32 attention over each sequence's gathered, padded
-context; prefill chunks run one SDPA per sequence (plain causal when the chunk is the whole context, else an explicit mask,
+Decode rows (one query token per sequence, and each row of a short chunk, see SHORT_QUERY_MAX) run as one batched
+fp32 attention over each sequence's gathered, padded context; longer prefill chunks run one SDPA per sequence (plain causal when the chunk is the whole context, else an explicit mask,
 since SDPA's `is_causal` aligns top-left). float8 caches are read and written through uint8 views, which index on
 every device.
 """
@@ -114,6 +114,26 @@ def _step_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple
     return layout
 
 
+SHORT_QUERY_MAX = 8
+"""Query chunks up to this long (speculative verification rows, short chunk tails) run as one-token rows: row i of
+an n-row chunk ending at context length L is a decode row of context L - n + 1 + i. Each token then gets exactly the
+attention it would get decoded alone (speculation changes no greedy token), and one `attend_decode` call serves the
+whole step instead of one masked SDPA per sequence."""
+
+
+def _one_token_rows(
+    starts: list[int], lengths: list[int], query_lens: list[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """(query rows, their context lengths, their sequence indices) of every chunk up to SHORT_QUERY_MAX rows."""
+    rows, lens, seqs = [], [], []
+    for s, (start, length, query_len) in enumerate(zip(starts, lengths, query_lens, strict=False)):
+        if query_len <= SHORT_QUERY_MAX:
+            rows.extend(range(start, start + query_len))
+            lens.extend(range(length - query_len + 1, length + 1))
+            seqs.extend([s] * query_len)
+    return rows, lens, seqs
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -132,19 +152,18 @@ def paged_attention(
     if all(n == 1 for n in query_lens):  # pure decode step: no scatter back needed
         lens = seq_lens.to(device=device, dtype=torch.long)
         return attend_decode(query, k_cache, v_cache, block_tables.to(device), lens, scale, k_scale, v_scale)
+    rows, row_lens, row_seqs = _one_token_rows(starts, lengths, query_lens)
+    tables = block_tables.to(device)
+    if len(rows) == query.shape[0]:  # every chunk short: the rows are all rows, in order
+        lens = torch.tensor(row_lens, device=device)
+        return attend_decode(query, k_cache, v_cache, tables[row_seqs], lens, scale, k_scale, v_scale)
     out = torch.empty_like(query)
-    decode = [s for s, n in enumerate(query_lens) if n == 1]
-    if decode:
-        index = torch.tensor(decode, device=device)
-        rows = torch.tensor([starts[s] for s in decode], device=device)
-        tables = block_tables.to(device)[index]
-        lens = seq_lens.to(device=device, dtype=torch.long)[index]
-        out[rows] = attend_decode(query[rows], k_cache, v_cache, tables, lens, scale, k_scale, v_scale)
+    if rows:
+        index = torch.tensor(rows, device=device)
+        lens = torch.tensor(row_lens, device=device)
+        out[index] = attend_decode(query[index], k_cache, v_cache, tables[row_seqs], lens, scale, k_scale, v_scale)
     for s, query_len in enumerate(query_lens):
-        if query_len > 1:
-            rows = slice(starts[s], starts[s] + query_len)
-            table = block_tables[s].to(device)
-            out[rows] = _attend_prefill(
-                query[rows], k_cache, v_cache, table, lengths[s], scale, k_scale, v_scale
-            )
+        if query_len > SHORT_QUERY_MAX:
+            chunk = slice(starts[s], starts[s] + query_len)
+            out[chunk] = _attend_prefill(query[chunk], k_cache, v_cache, tables[s], lengths[s], scale, k_scale, v_scale)
     return out
