@@ -64,14 +64,17 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     parser.add_argument("--rounds", type=int, default=3, help="served / offline pairs, alternating")
-    parser.add_argument("--server-threads", type=int, default=None,
-                        help="OMP_NUM_THREADS for the server (default: this process's)")
+    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment for the server only (e.g. OMP_NUM_THREADS=1); repeatable")
     args = parser.parse_args()
     log = Path(tempfile.mkdtemp()) / "server.log"
     try:
         env = dict(os.environ)
-        if args.server_threads is not None:
-            env["OMP_NUM_THREADS"] = str(args.server_threads)
+        for item in args.server_env:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SystemExit(f"--server-env takes KEY=VALUE, got {item!r}")
+            env[key] = value
         server, base_url = launch_server(args.model, log, "--max-num-seqs", str(args.max_concurrency),
                                          "--kv-cache-memory", str(256 << 20), env=env)
     except AscqError as exc:
@@ -105,7 +108,8 @@ def main() -> None:
     if args.rounds > 1:
         print(f"rounds: {args.rounds}; served/offline min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
               f"offline tok/s median {statistics.median(offline_runs):.1f}")
-    print(f"(cpu threads: {os.environ.get('OMP_NUM_THREADS', 'default')}; server log: {log})")
+    print(f"(cpu threads: {os.environ.get('OMP_NUM_THREADS', 'default')}; server env {args.server_env}; "
+          f"server log: {log})")
 
 if __name__ == "__main__":
     main()
