@@ -5,7 +5,7 @@ the last token); transformers: `model(input_ids)` with its KV cache (the logits 
 computes them). Same model, dtype and thread count; prefix caching off so every round recomputes. Prints the
 per-round times and the min / median ratio.
 
-    OMP_NUM_THREADS=1 python benchmarks/prefill.py --model /work/smollm2-hf --prompt-len 512 --rounds 3
+    OMP_NUM_THREADS=1 python benchmarks/prefill.py --model zoo/smollm2-135m-instruct --prompt-len 512 --rounds 3
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="/work/smollm2-hf")
+    parser.add_argument("--model", default="zoo/smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=2048, help="ascq max_num_batched_tokens")

@@ -6,7 +6,7 @@ sampler, the engine's own bookkeeping), and the forward further into its leaf la
 KV cache write, norms, rotary, embedding) by timing those calls; "python / other" is the forward's time outside
 them (module dispatch, splits/views, residual adds). Prints a markdown table of ms per step (median over steps).
 
-    OMP_NUM_THREADS=2 python benchmarks/profile_step.py --model /work/smollm2-hf --dtype float32 --batch 1 32
+    OMP_NUM_THREADS=2 python benchmarks/profile_step.py --model zoo/smollm2-135m-instruct --dtype float32 --batch 1 32
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def profile(model: str, dtype: str, batch: int, num_steps: int, context: int, ea
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="/work/smollm2-hf")
+    parser.add_argument("--model", default="zoo/smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=20)

