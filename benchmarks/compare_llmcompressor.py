@@ -1,4 +1,5 @@
-"""ascq's awq-int4 / w4a16-gptq against llm-compressor's AWQ and GPTQ on the same fixture and calibration tokens.
+"""ascq's awq-int4 / w4a16-gptq / w8a8 against llm-compressor's AWQ, GPTQ and SmoothQuant + W8A8 on the same model
+and calibration tokens.
 
 llm-compressor lives in its own virtual environment (it pins compressed-tensors 0.19, ascq pins 0.20.1):
 
@@ -6,15 +7,21 @@ llm-compressor lives in its own virtual environment (it pins compressed-tensors 
     .venv-llmc/bin/pip install "torch==2.13.0" "transformers==5.17.0" "compressed-tensors==0.19.0" \
         "llmcompressor==0.14.0.1" safetensors
     python benchmarks/compare_llmcompressor.py --fixture zoo/tiny-llama          # from ascq's own venv
+    python benchmarks/compare_llmcompressor.py --fixture zoo/smollm2-135m-instruct \
+        --eval-text /usr/share/common-licenses/GPL-3 --algorithms awq gptq smoothquant
 
 What it does: ascq's calibration blocks (`ascq.quantize.calibration`, the bundled calib slice) are written to a
 file; ascq converts with `w4a16-rtn`, `awq-int4`, `w4a16-gptq`; a worker in `.venv-llmc` (this same file,
 `--worker`) runs llm-compressor's `oneshot` with `AWQModifier + QuantizationModifier(W4A16_ASYM)` and with
-`GPTQModifier(W4A16_ASYM, actorder static)` on the same token blocks, saves the compressed checkpoint (format of
+`GPTQModifier(W4A16_ASYM, actorder static)` and with `SmoothQuantModifier(0.8) + QuantizationModifier(W8A8)` (ascq's
+w8a8 recipe) on the same token blocks, saves the compressed checkpoint (format of
 compressed-tensors 0.19) and, beside it, a dequantized plain checkpoint made by compressed-tensors 0.19's own
 `fake_quantize` with the modifier's scales/zero points (a 0.19 asymmetric pack-quantized checkpoint does not load
 under 0.20.1, so it is not read across versions). Every model is then scored by the same `ascq.evaluate.perplexity`
-(ascq entries via `reference_logits`, llm-compressor's via transformers on the dequantized weights).
+(ascq entries via `reference_logits`, llm-compressor's W4A16 via transformers on the dequantized weights; its W8A8
+checkpoint, symmetric int8 which both versions store alike, via the same `reference_logits`, so both W8A8 models are
+scored with the same served dynamic per-token activation quantizer). Time ratio = ascq's convert wall time (reading,
+calibration, writing included) / llm-compressor's `oneshot` time, in the same run.
 
 llm-compressor 0.14's AWQ pins its activation cache (`Tensor.pin_memory`), which raises on a host without an
 accelerator; the worker records that error and, unless `--no-pin-patch`, reruns with pinning disabled (a no-op
@@ -33,6 +40,7 @@ from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent
 LLMC_PYTHON = PROJECT / ".venv-llmc" / "bin" / "python"
+ASCQ_RECIPE = {"awq": "awq-int4", "gptq": "w4a16-gptq", "smoothquant": "w8a8"}  # llm-compressor algorithm -> ascq recipe
 
 
 # ---- worker: runs inside .venv-llmc, imports nothing from ascq ------------------------------------------------
@@ -83,6 +91,10 @@ def _recipe(algorithm: str):
     ignore = ["lm_head"]
     if algorithm == "awq":
         return [AWQModifier(duo_scaling=True, n_grid=20), QuantizationModifier(targets=["Linear"], ignore=ignore, scheme="W4A16_ASYM")]
+    if algorithm == "smoothquant":
+        from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+
+        return [SmoothQuantModifier(smoothing_strength=0.8), QuantizationModifier(targets=["Linear"], ignore=ignore, scheme="W8A8")]
     return [GPTQModifier(targets=["Linear"], ignore=ignore, scheme="W4A16_ASYM", actorder="static", block_size=128, dampening_frac=0.01)]
 
 
@@ -150,7 +162,7 @@ def driver(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(fixture)
     calib = load_calibration(None, tokenizer, args.num_samples, args.seq_len)
     save_file({"input_ids": calib.input_ids.contiguous()}, work / "calib.safetensors")
-    eval_ids = load_eval_token_ids(fixture)
+    eval_ids = load_eval_token_ids(fixture, args.eval_text) if args.eval_text else load_eval_token_ids(fixture)
 
     def hf_ppl(path: Path) -> float:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -164,7 +176,8 @@ def driver(args: argparse.Namespace) -> None:
     else:
         fp_ppl = hf_ppl(fixture)
     rows = [("FP (bf16 fixture)", fp_ppl, None, None, "")]
-    for recipe in ("w4a16-rtn", "awq-int4", "w4a16-gptq"):  # one process each: its own peak RSS
+    recipes = ["w4a16-rtn", *(ASCQ_RECIPE[a] for a in args.algorithms)]
+    for recipe in recipes:  # one process each: its own peak RSS
         entry = work / f"ascq-{recipe}"
         cmd = [sys.executable, "-m", "ascq.cli", "convert", str(source), "--recipe", recipe, "--out", str(entry),
                "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len)]  # fmt: skip
@@ -172,8 +185,8 @@ def driver(args: argparse.Namespace) -> None:
         ppl = perplexity(lambda b, e=entry: reference_logits(e, b), eval_ids)
         conversion = read_manifest(entry)["conversion"]
         rows.append((f"ascq {recipe}", ppl, conversion["seconds"], conversion["peak_rss_bytes"], ""))
-    for algorithm in ("awq", "gptq"):
-        cmd = [str(LLMC_PYTHON), __file__, "--worker", "--algorithm", algorithm, "--model", str(fixture),
+    for algorithm in args.algorithms:
+        cmd = [str(args.llmc_python), __file__, "--worker", "--algorithm", algorithm, "--model", str(fixture),
                "--calib", str(work / "calib.safetensors"), "--out", str(work / f"llmc-{algorithm}")]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -185,14 +198,23 @@ def driver(args: argparse.Namespace) -> None:
         note = ""
         if result.get("error"):
             note = f"unpatched run raised {result['error']}" + ("; numbers with pin_memory disabled" if result.get("pin_memory_patched") else "")
-        ppl = hf_ppl(Path(result["dequantized"])) if "dequantized" in result else float("nan")
+        if algorithm == "smoothquant" and "compressed" in result:
+            ppl = perplexity(lambda b, e=Path(result["compressed"]): reference_logits(e, b), eval_ids)
+        else:
+            ppl = hf_ppl(Path(result["dequantized"])) if "dequantized" in result else float("nan")
         rows.append((f"llm-compressor {algorithm}", ppl, result.get("seconds"), result.get("peak_rss_bytes"), note))
-    print(f"fixture {fixture.name}; calibration {args.num_samples} x {args.seq_len} tokens (ascq's calib slice); eval: ascq/data/eval.txt")
+    print(f"fixture {fixture.name}; calibration {args.num_samples} x {args.seq_len} tokens (ascq's calib slice); "
+          f"eval: {args.eval_text or 'ascq/data/eval.txt'}")
     print(f"{'model':28} {'ppl':>9} {'time s':>8} {'peak RSS MiB':>13}  note")
     for name, ppl, seconds, rss, note in rows:
         t = f"{seconds:8.1f}" if seconds is not None else f"{'-':>8}"
         r = f"{rss / 2**20:13.0f}" if rss else f"{'-':>13}"
         print(f"{name:28} {ppl:9.3f} {t} {r}  {note}")
+    by_name = {name: (ppl, seconds) for name, ppl, seconds, _, _ in rows}
+    for algorithm in args.algorithms:
+        ours, theirs = by_name.get(f"ascq {ASCQ_RECIPE[algorithm]}"), by_name.get(f"llm-compressor {algorithm}")
+        if ours and theirs and theirs[1]:
+            print(f"{algorithm}: ppl ascq/llm-compressor {ours[0] / theirs[0]:.4f}, time ascq/llm-compressor {ours[1] / theirs[1]:.2f}")
     (work / "results.json").write_text(json.dumps(rows, indent=1))
 
 
@@ -202,8 +224,11 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/ascq-vs-llmcompressor")
     parser.add_argument("--num-samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--llmc-python", default=str(LLMC_PYTHON), help="python of llm-compressor's venv")
+    parser.add_argument("--eval-text", help="held-out text file (default: ascq/data/eval.txt)")
+    parser.add_argument("--algorithms", nargs="+", default=["awq", "gptq"], choices=sorted(ASCQ_RECIPE))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--algorithm", choices=["awq", "gptq"])
+    parser.add_argument("--algorithm", choices=sorted(ASCQ_RECIPE))
     parser.add_argument("--model")
     parser.add_argument("--calib")
     parser.add_argument("--out")
