@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     parser.add_argument("--rounds", type=int, default=3, help="served / offline pairs, alternating")
+    parser.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes, server and offline engine")
     parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment for the server only (e.g. OMP_NUM_THREADS=1); repeatable")
     args = parser.parse_args()
@@ -76,7 +77,7 @@ def main() -> None:
                 raise SystemExit(f"--server-env takes KEY=VALUE, got {item!r}")
             env[key] = value
         server, base_url = launch_server(args.model, log, "--max-num-seqs", str(args.max_concurrency),
-                                         "--kv-cache-memory", str(256 << 20), env=env)
+                                         "--kv-cache-memory", str(args.kv_cache_memory), env=env)
     except AscqError as exc:
         raise SystemExit(str(exc)) from None
     options = BenchServeOptions(base_url=base_url, num_prompts=args.num_prompts,
@@ -86,7 +87,7 @@ def main() -> None:
     try:
         from ascq import LLM
 
-        llm = LLM(args.model, max_num_seqs=args.max_concurrency, kv_cache_memory=256 << 20)
+        llm = LLM(args.model, max_num_seqs=args.max_concurrency, kv_cache_memory=args.kv_cache_memory)
         run_bench_serve(BenchServeOptions(**{**vars(options), "num_prompts": 2}))  # warm-up
         pids = server_pids(server)
         for _ in range(args.rounds):  # alternating, so machine load affects both sides alike
