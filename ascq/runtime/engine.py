@@ -76,7 +76,8 @@ class LLMEngine:
             self.block_bytes = bytes_per_block(self.model, args.block_size, self.kv_cache_dtype)
             num_blocks = num_blocks_for(args.resolve_kv_cache_memory(free_before_load, module_bytes(self.model)), self.block_bytes, args.num_gpu_blocks_override)
             allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
-            self.runner = ModelRunner(self.model, args.block_size, self.device, enforce_eager=args.enforce_eager)
+            self.runner = ModelRunner(self.model, args.block_size, self.device, enforce_eager=args.enforce_eager,
+                                      max_num_seqs=args.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.sampler = sampler or Sampler(args.seed, self.eos_token_ids)

@@ -50,8 +50,7 @@ class StepInputs:
     micro_batches: list[tuple[int, int]]  # request ranges, pipeline parallel only
 
     def to(self, device: torch.device) -> StepInputs:
-        meta = AttentionMetadata(*(getattr(self.meta, f.name).to(device) for f in dataclasses.fields(self.meta)))
-        return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, self.sample_rows,
+        return StepInputs(self.input_ids.to(device), self.positions.to(device), self.meta.to(device), self.sample_rows,
                           self.micro_batches)
 
 
