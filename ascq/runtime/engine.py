@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -106,6 +107,9 @@ class LLMEngine:
         rank = executor.rank
         self.model, self.quant_config, self.block_bytes = rank.model, rank.quant_config, rank.block_bytes
         self.runner = DistributedModelRunner(executor, args.block_size)
+        if not args.enforce_eager:
+            logging.getLogger("ascq.runtime").info("enforce_eager=False: decode graphs are single-process only; "
+                                                   "the ranks run eagerly")
         return rank.num_blocks
 
     # ---- requests ----------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ largest per-rank KV block size, take rank 0's block count, allocate the cache.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
