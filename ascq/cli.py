@@ -316,6 +316,8 @@ def serve(
     enable_auto_tool_choice: Annotated[bool, typer.Option(
         help="Let the model decide to call tools (tool_choice auto); needs --tool-call-parser.")] = False,
     tool_call_parser: Annotated[str | None, typer.Option(help="Tool-call format of the model's output: hermes.")] = None,
+    stream_interval: Annotated[int, typer.Option(
+        help="Stream a request's output every N tokens (first and last always), as vLLM; larger N costs less CPU.")] = 1,
     tensor_parallel_size: TensorParallelSize = 1,
     pipeline_parallel_size: PipelineParallelSize = 1,
     enable_expert_parallel: EnableExpertParallel = False,
@@ -341,7 +343,8 @@ def serve(
     options = ServeOptions(host=host, port=port,
                            api_key=api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("ASCQ_API_KEY"),
                            served_model_name=served_model_name, chat_template=chat_template,
-                           enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+                           enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                           stream_interval=stream_interval)
 
     from ascq.quantize.convert import check_device
     from ascq.runtime.engine_args import EngineArgs

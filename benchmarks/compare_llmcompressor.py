@@ -20,8 +20,13 @@ compressed-tensors 0.19) and, beside it, a dequantized plain checkpoint made by 
 under 0.20.1, so it is not read across versions). Every model is then scored by the same `ascq.evaluate.perplexity`
 (ascq entries via `reference_logits`, llm-compressor's W4A16 via transformers on the dequantized weights; its W8A8
 checkpoint, symmetric int8 which both versions store alike, via the same `reference_logits`, so both W8A8 models are
-scored with the same served dynamic per-token activation quantizer). Time ratio = ascq's convert wall time (reading,
-calibration, writing included) / llm-compressor's `oneshot` time, in the same run.
+scored with the same served dynamic per-token activation quantizer). Time ratios = ascq's convert (the whole
+`ascq convert` process: imports, reading, calibration, writing) / llm-compressor's `oneshot` call (model loading and
+saving excluded), in the same run, as wall time and as CPU time (user + system: on a shared machine whose timing
+runs pause background jobs, CPU time is what a paused or preempted process did not inflate). Both run one
+process at a time with the caller's OMP_NUM_THREADS. W4A16 group size: llm-compressor gets the group size ascq's
+checkpoint uses (SmolLM2's 576 = 9 · 64: ascq fits the recipe's 128 to 64, compressed-tensors 0.19 alone would use
+a ragged last group of 64 per row).
 
 llm-compressor 0.14's AWQ pins its activation cache (`Tensor.pin_memory`), which raises on a host without an
 accelerator; the worker records that error and, unless `--no-pin-patch`, reruns with pinning disabled (a no-op
@@ -83,19 +88,30 @@ def _emit(result: dict) -> int:
     return 0
 
 
-def _recipe(algorithm: str):
+def _w4a16_asym(group_size: int | None) -> dict:
+    """W4A16_ASYM at ascq's group size for this model (the preset's 128 when None): compressed-tensors 0.19 would
+    quantize a width 128 does not divide (SmolLM2's 576) with a ragged last group, ascq with one fitted size."""
+    if group_size is None:
+        return {"scheme": "W4A16_ASYM"}
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=group_size)
+    return {"config_groups": {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}}
+
+
+def _recipe(algorithm: str, group_size: int | None = None):
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
     ignore = ["lm_head"]
     if algorithm == "awq":
-        return [AWQModifier(duo_scaling=True, n_grid=20), QuantizationModifier(targets=["Linear"], ignore=ignore, scheme="W4A16_ASYM")]
+        return [AWQModifier(duo_scaling=True, n_grid=20), QuantizationModifier(targets=["Linear"], ignore=ignore, **_w4a16_asym(group_size))]
     if algorithm == "smoothquant":
         from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
 
         return [SmoothQuantModifier(smoothing_strength=0.8), QuantizationModifier(targets=["Linear"], ignore=ignore, scheme="W8A8")]
-    return [GPTQModifier(targets=["Linear"], ignore=ignore, scheme="W4A16_ASYM", actorder="static", block_size=128, dampening_frac=0.01)]
+    return [GPTQModifier(targets=["Linear"], ignore=ignore, actorder="static", block_size=128, dampening_frac=0.01, **_w4a16_asym(group_size))]
 
 
 def _oneshot(args: argparse.Namespace, dataset, model_class) -> dict:
@@ -103,19 +119,19 @@ def _oneshot(args: argparse.Namespace, dataset, model_class) -> dict:
     from llmcompressor import oneshot
 
     model = model_class.from_pretrained(args.model, dtype=torch.float32)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     oneshot(
         model=model,
         dataset=dataset,
-        recipe=_recipe(args.algorithm),
+        recipe=_recipe(args.algorithm, args.group_size),
         num_calibration_samples=len(dataset),
         max_seq_length=len(dataset[0]["input_ids"]),
     )
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     out = Path(args.out)
     _save_dequantized(model, out / "dequantized")
     model.save_pretrained(out / "compressed", save_compressed=True)
-    return {"seconds": seconds, "dequantized": str(out / "dequantized"), "compressed": str(out / "compressed")}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "dequantized": str(out / "dequantized"), "compressed": str(out / "compressed")}
 
 
 def _save_dequantized(model, out: Path) -> None:
@@ -175,47 +191,82 @@ def driver(args: argparse.Namespace) -> None:
         fp_ppl = perplexity(lambda b: reference(b), eval_ids)
     else:
         fp_ppl = hf_ppl(fixture)
-    rows = [("FP (bf16 fixture)", fp_ppl, None, None, "")]
-    recipes = ["w4a16-rtn", *(ASCQ_RECIPE[a] for a in args.algorithms)]
-    for recipe in recipes:  # one process each: its own peak RSS
+    rows = [("FP (bf16 fixture)", fp_ppl, None, None, None, "")]
+    group_sizes: dict[str, int | None] = {}
+
+    def ascq_row(recipe: str) -> None:  # one process each: its own peak RSS
         entry = work / f"ascq-{recipe}"
         cmd = [sys.executable, "-m", "ascq.cli", "convert", str(source), "--recipe", recipe, "--out", str(entry),
                "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len)]  # fmt: skip
+        cpu_before = _children_cpu_seconds()
         subprocess.run(cmd, check=True, capture_output=True)
+        cpu_seconds = _children_cpu_seconds() - cpu_before
         ppl = perplexity(lambda b, e=entry: reference_logits(e, b), eval_ids)
         conversion = read_manifest(entry)["conversion"]
-        rows.append((f"ascq {recipe}", ppl, conversion["seconds"], conversion["peak_rss_bytes"], ""))
-    for algorithm in args.algorithms:
+        group_sizes[recipe] = _group_size(entry)
+        note = f"g{group_sizes[recipe]}" if group_sizes[recipe] else ""
+        rows.append((f"ascq {recipe}", ppl, conversion["seconds"], cpu_seconds, conversion["peak_rss_bytes"], note))
+        print("row", json.dumps(rows[-1]), flush=True)
+
+    def llmc_row(algorithm: str) -> None:
         cmd = [str(args.llmc_python), __file__, "--worker", "--algorithm", algorithm, "--model", str(fixture),
                "--calib", str(work / "calib.safetensors"), "--out", str(work / f"llmc-{algorithm}")]  # fmt: skip
+        group_size = group_sizes.get(ASCQ_RECIPE[algorithm])
+        if group_size:  # the same group size as ascq's checkpoint
+            cmd += ["--group-size", str(group_size)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if not lines:
             last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            rows.append((f"llm-compressor {algorithm}", float("nan"), None, None, f"failed: {last[:200]}"))
-            continue
+            rows.append((f"llm-compressor {algorithm}", float("nan"), None, None, None, f"failed: {last[:200]}"))
+            return
         result = json.loads(lines[-1][len("RESULT "):])
-        note = ""
+        note = f"g{group_size}" if group_size else ""
         if result.get("error"):
-            note = f"unpatched run raised {result['error']}" + ("; numbers with pin_memory disabled" if result.get("pin_memory_patched") else "")
+            note += f"; unpatched run raised {result['error']}" + ("; numbers with pin_memory disabled" if result.get("pin_memory_patched") else "")
         if algorithm == "smoothquant" and "compressed" in result:
             ppl = perplexity(lambda b, e=Path(result["compressed"]): reference_logits(e, b), eval_ids)
         else:
             ppl = hf_ppl(Path(result["dequantized"])) if "dequantized" in result else float("nan")
-        rows.append((f"llm-compressor {algorithm}", ppl, result.get("seconds"), result.get("peak_rss_bytes"), note))
+        rows.append((f"llm-compressor {algorithm}", ppl, result.get("seconds"), result.get("cpu_seconds"),
+                     result.get("peak_rss_bytes"), note))
+        print("row", json.dumps(rows[-1]), flush=True)
+
+    ascq_row("w4a16-rtn")
+    for algorithm in args.algorithms:  # each pair back to back, so that both see the same machine
+        ascq_row(ASCQ_RECIPE[algorithm])
+        llmc_row(algorithm)
     print(f"fixture {fixture.name}; calibration {args.num_samples} x {args.seq_len} tokens (ascq's calib slice); "
           f"eval: {args.eval_text or 'ascq/data/eval.txt'}")
-    print(f"{'model':28} {'ppl':>9} {'time s':>8} {'peak RSS MiB':>13}  note")
-    for name, ppl, seconds, rss, note in rows:
+    print(f"{'model':28} {'ppl':>9} {'wall s':>8} {'CPU s':>8} {'peak RSS MiB':>13}  note")
+    for name, ppl, seconds, cpu, rss, note in rows:
         t = f"{seconds:8.1f}" if seconds is not None else f"{'-':>8}"
+        c = f"{cpu:8.1f}" if cpu is not None else f"{'-':>8}"
         r = f"{rss / 2**20:13.0f}" if rss else f"{'-':>13}"
-        print(f"{name:28} {ppl:9.3f} {t} {r}  {note}")
-    by_name = {name: (ppl, seconds) for name, ppl, seconds, _, _ in rows}
+        print(f"{name:28} {ppl:9.3f} {t} {c} {r}  {note}")
+    by_name = {name: (ppl, seconds, cpu) for name, ppl, seconds, cpu, _, _ in rows}
     for algorithm in args.algorithms:
         ours, theirs = by_name.get(f"ascq {ASCQ_RECIPE[algorithm]}"), by_name.get(f"llm-compressor {algorithm}")
-        if ours and theirs and theirs[1]:
-            print(f"{algorithm}: ppl ascq/llm-compressor {ours[0] / theirs[0]:.4f}, time ascq/llm-compressor {ours[1] / theirs[1]:.2f}")
+        if ours and theirs and theirs[1] and theirs[2]:
+            print(f"{algorithm}: ppl ascq/llm-compressor {ours[0] / theirs[0]:.4f}, wall time ascq/llm-compressor "
+                  f"{ours[1] / theirs[1]:.2f}, CPU time {ours[2] / theirs[2]:.2f}")
     (work / "results.json").write_text(json.dumps(rows, indent=1))
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of the finished child processes (a paused or preempted child adds none)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _group_size(entry: Path) -> int | None:
+    """The weight group size of an ascq entry's quantization_config (None: not grouped)."""
+    config = json.loads((entry / "config.json").read_text()).get("quantization_config") or {}
+    sizes = {(g.get("weights") or {}).get("group_size") for g in (config.get("config_groups") or {}).values()}
+    sizes.discard(None)
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def main() -> None:
@@ -232,6 +283,7 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--calib")
     parser.add_argument("--out")
+    parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--no-pin-patch", action="store_true", help="report llm-compressor AWQ's CPU failure only")
     args = parser.parse_args()
     if args.worker:

@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     parser.add_argument("--rounds", type=int, default=3, help="served / offline pairs, alternating")
     parser.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes, server and offline engine")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the server's --stream-interval (vLLM's): an SSE chunk per N tokens")
     parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment for the server only (e.g. OMP_NUM_THREADS=1); repeatable")
     args = parser.parse_args()
@@ -77,7 +79,8 @@ def main() -> None:
                 raise SystemExit(f"--server-env takes KEY=VALUE, got {item!r}")
             env[key] = value
         server, base_url = launch_server(args.model, log, "--max-num-seqs", str(args.max_concurrency),
-                                         "--kv-cache-memory", str(args.kv_cache_memory), env=env)
+                                         "--kv-cache-memory", str(args.kv_cache_memory),
+                                         "--stream-interval", str(args.stream_interval), env=env)
     except AscqError as exc:
         raise SystemExit(str(exc)) from None
     options = BenchServeOptions(base_url=base_url, num_prompts=args.num_prompts,
@@ -109,7 +112,8 @@ def main() -> None:
     if args.rounds > 1:
         print(f"rounds: {args.rounds}; served/offline min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
               f"offline tok/s median {statistics.median(offline_runs):.1f}")
-    print(f"(cpu threads: {os.environ.get('OMP_NUM_THREADS', 'default')}; server env {args.server_env}; "
+    print(f"(cpu threads: {os.environ.get('OMP_NUM_THREADS', 'default')}; stream interval {args.stream_interval}; "
+          f"server env {args.server_env}; "
           f"server log: {log})")
 
 if __name__ == "__main__":

@@ -122,3 +122,49 @@ def test_rtn_weights_are_plain_pytorch_fake_quant_at_the_fitted_group_size(entri
         expected = _plain_rtn(original[f"{name}.weight"], 64, torch.bfloat16)
         torch.testing.assert_close(w, expected, rtol=0, atol=1e-6, msg=name)
         assert not torch.allclose(w, _plain_rtn(original[f"{name}.weight"], 32, torch.bfloat16)), name
+
+
+def test_block_aligned_group_size_rule() -> None:
+    from ascq.quantize.qmath import block_aligned_group_size, source_block_size
+
+    assert block_aligned_group_size(128, [576, 1536], 32) == 32  # SmolLM2 from its Q4_1 GGUF
+    assert block_aligned_group_size(128, [576, 1536], None) == 64  # the same widths from any other source
+    assert block_aligned_group_size(32, [576], 64) == 32  # never coarser than the recipe's
+    assert block_aligned_group_size(128, [576, 1544], 32) is None  # a block that does not divide a width: no change
+    assert block_aligned_group_size(128, [4096], 16) == 128  # below the smallest servable group size: no change
+    assert source_block_size({"source": {"gguf": {"quantization_type": "Q4_1"}}}) == 32
+    assert source_block_size({"source": {"model": "org/name"}}) is None and source_block_size(None) is None
+    assert source_block_size({"source": {"gguf": {"quantization_type": "F16"}}}) is None
+
+
+def test_gguf_block_quantized_source_gets_its_block_as_group_size(source: Path, tmp_path: Path) -> None:
+    """Weights on one int4 grid per 32-column block (as a GGUF Q4_0 import holds them, w = d·(q - 8)): the recipe's
+    128 (fitted 64 for these widths) would mix two blocks' grids in a group; on the source's blocks round-to-nearest
+    gives every weight back exactly, and the manifest, summary and card say why the group size is 32."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    blocked = tmp_path / "blocked"
+    shutil.copytree(source, blocked)
+    tensors = load_file(blocked / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    for name, w in tensors.items():
+        if name.endswith(tuple(f"{lin}.weight" for lin in LINEARS)):
+            rows, cols = w.shape
+            q = torch.randint(0, 16, (rows, cols // 32, 32), generator=generator)
+            q[..., 0], q[..., 1] = 0, 15  # every block spans its whole grid (min-max scale = d)
+            d = 2.0 ** -torch.randint(6, 9, (rows, cols // 32, 1), generator=generator).float()
+            tensors[name] = ((q - 8) * d).reshape(rows, cols).to(w.dtype)
+    save_file(tensors, blocked / "model.safetensors")
+    (blocked / "ascq.json").write_text(json.dumps({"name": "blocked", "source": {"gguf": {"quantization_type": "Q4_0"}}}))
+    entry = convert(ConvertOptions(str(blocked), ["w4a16-rtn"], out=tmp_path / "rtn", num_samples=2, seq_len=32,
+                                   max_eval_tokens=256, progress=False))
+    assert _quantization_config(entry)["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    [fit] = read_manifest(entry)["conversion"]["group_size_fits"]
+    assert (fit["recipe_group_size"], fit["group_size"], fit["source_block_size"]) == (128, 32, 32)
+    assert "the source's GGUF blocks of 32 columns" in format_summary(entry)
+    assert "quantized in blocks of 32 columns (GGUF)" in render_card(entry)
+    for name, w in _transformers_weights(entry).items():
+        torch.testing.assert_close(w, tensors[f"{name}.weight"].float(), rtol=0, atol=0, msg=name)
+        assert not torch.equal(_plain_rtn(tensors[f"{name}.weight"], 64, torch.bfloat16), w), name  # g64 is lossy

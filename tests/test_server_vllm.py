@@ -32,11 +32,15 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                 "required": ["city", "unit"], "additionalProperties": False}}}
 
 
+STREAM_INTERVAL = 4
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     with running_server(tiny_llama_dir, tmp_path_factory.mktemp("server"), "--served-model-name", "tiny-llama",
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--no-enable-prefix-caching",
                         "--gpu-memory-utilization", "0.5", "--enforce-eager", "--tensor-parallel-size", "1",
+                        "--stream-interval", str(STREAM_INTERVAL),
                         env_vars={"VLLM_API_KEY": KEY}, secret=KEY) as running:  # vLLM's variable
         yield running
 
@@ -161,6 +165,17 @@ def test_n_greedy_copies_and_echo_with_logprobs(client, http) -> None:
     streamed = list(client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=5, temperature=0,
                                               echo=True, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+
+def test_stream_interval_sends_every_nth_token(client: openai.OpenAI) -> None:
+    """--stream-interval 4: the first token at once, then a chunk per 4 tokens, then the rest with the finish."""
+    kwargs = dict(model="tiny-llama", prompt=PROMPT, max_tokens=11, temperature=0, logprobs=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert [len(c.logprobs.tokens) for c in chunks] == [1, 4, 4, 2]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [c.finish_reason for c in chunks] == [None, None, None, "length"]
 
 
 def test_prompt_logprobs_match_offline(http, llm) -> None:

@@ -20,6 +20,7 @@ from ascq.quantize.architectures import load_architecture
 from ascq.quantize.calibration import CalibrationSet, hub_reachable, load_calibration
 from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
 from ascq.quantize.pipeline import EVAL_SEQ_LEN, StreamResult, stream_convert
+from ascq.quantize.qmath import source_block_size
 from ascq.quantize.recipe import ComposedRecipe, load_recipes
 from ascq.zoo.manifest import (
     MANIFEST_NAME,
@@ -155,7 +156,7 @@ def _convert(options: ConvertOptions) -> Path:
         writer = _writer(options, staging, reader, arch.config)
         result = stream_convert(
             reader, arch, recipe, calib.input_ids, staging, device, options.max_shard_bytes, eval_ids, options.progress,
-            writer,
+            writer, source_block_size(source),
         )
         if options.format == "msmodelslim":
             writer.write_config(staging, arch.config)
@@ -270,8 +271,9 @@ def format_summary(entry: Path) -> str:
         delta = 100 * (metrics["perplexity"] / metrics["perplexity_base"] - 1)
         lines.append(f"perplexity {metrics['perplexity_base']:.3f} -> {metrics['perplexity']:.3f} ({delta:+.2f}%)")
     for fit in (f for f in conv.get("group_size_fits", []) if f["group_size"]):
-        lines.append(f"group size {fit['group_size']} instead of the recipe's {fit['recipe_group_size']} "
-                     f"(input widths {', '.join(map(str, fit['in_features']))})")
+        why = (f"the source's GGUF blocks of {fit['source_block_size']} columns"
+               if fit.get("source_block_size") == fit["group_size"] else f"input widths {', '.join(map(str, fit['in_features']))}")
+        lines.append(f"group size {fit['group_size']} instead of the recipe's {fit['recipe_group_size']} ({why})")
     if conv["group_size_fallbacks"]:
         lines.append(f"{len(conv['group_size_fallbacks'])} linears fell back to per-channel (see ascq.json)")
     return "\n".join(lines)

@@ -143,12 +143,13 @@ class LayerJob:
     device: str
     dtype: torch.dtype  # of the written full-precision tensors
     scale_dtype: torch.dtype
+    source_block_size: int | None = None  # the source's quantization block (`qmath.source_block_size`)
     schemes: list[RecipeScheme] = dataclasses.field(init=False)
     group_size_fits: list[GroupSizeFit] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.schemes = self.recipe.schemes()
-        self.group_size_fits = fit_group_sizes(self.schemes, decoder_linears(self.arch))
+        self.group_size_fits = fit_group_sizes(self.schemes, decoder_linears(self.arch), self.source_block_size)
         for fit in self.group_size_fits:
             log.warning("%s", fit.message())
 
@@ -208,11 +209,14 @@ def stream_convert(
     eval_ids: torch.Tensor | None = None,
     progress: bool = True,
     writer: ShardWriter | None = None,
+    source_block_size: int | None = None,
 ) -> StreamResult:
-    """`writer` picks the output format (default: compressed-tensors shards; see msmodelslim.MsModelSlimWriter)."""
+    """`writer` picks the output format (default: compressed-tensors shards; see msmodelslim.MsModelSlimWriter);
+    `source_block_size`: the source checkpoint's quantization block (`qmath.source_block_size`)."""
     return_freed_memory_to_os()
     dtype, scale_dtype = checkpoint_dtypes(reader)
-    job = LayerJob(reader, arch, recipe, writer or ShardWriter(out_dir, max_shard_bytes), device, dtype, scale_dtype)
+    job = LayerJob(reader, arch, recipe, writer or ShardWriter(out_dir, max_shard_bytes), device, dtype, scale_dtype,
+                   source_block_size)
     embed = reader.get("model.embed_tokens.weight")
     job.writer.add("model.embed_tokens.weight", embed)
     windows = eval_windows(eval_ids, EVAL_SEQ_LEN) if eval_ids is not None else None

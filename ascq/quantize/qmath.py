@@ -85,6 +85,30 @@ def fitted_group_size(group_size: int, in_features: Iterable[int]) -> int | None
     return None
 
 
+# ggml's block-quantized types: every block of 32 input columns has its own scale (and min) on one 16/32/256-level
+# grid. A checkpoint imported from one (the GGUF importer records `source.gguf.quantization_type` in ascq.json)
+# holds those dequantized values; int4 groups spanning two blocks (SmolLM2's fitted 64) mix two grids, so it is
+# re-quantized with groups on the source blocks. Measured on SmolLM2 (Q4_1): see README "Group size".
+GGUF_BLOCK_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
+                    "Q2_K": 16, "Q3_K": 16, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}  # fmt: skip
+
+
+def source_block_size(source_manifest: dict | None) -> int | None:
+    """The quantization block length of the checkpoint a source zoo entry was imported from (None: not blocked)."""
+    gguf = ((source_manifest or {}).get("source") or {}).get("gguf") or {}
+    return GGUF_BLOCK_SIZES.get(str(gguf.get("quantization_type", "")).upper())
+
+
+def block_aligned_group_size(group_size: int, in_features: Iterable[int], block_size: int | None) -> int | None:
+    """`fitted_group_size`, then, for a source quantized in blocks of `block_size` columns that is smaller and
+    divides every width, that block size (never coarser than the recipe's, never below MIN_FITTED_GROUP_SIZE)."""
+    widths = set(in_features)
+    fitted = fitted_group_size(group_size, widths)
+    if block_size is None or block_size < MIN_FITTED_GROUP_SIZE or any(w % block_size for w in widths):
+        return fitted
+    return block_size if fitted is None or block_size < fitted else fitted
+
+
 def linear_group_size(group_size: int | None, in_features: int) -> int | None:
     """A linear's group size under a checkpoint group size (None: per channel, also when it does not divide)."""
     return group_size if group_size and in_features % group_size == 0 else None

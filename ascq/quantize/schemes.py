@@ -18,7 +18,7 @@ from torch import nn
 
 from ascq.errors import AscqError, UnsupportedError
 from ascq.formats import compressed_tensors as ct
-from ascq.quantize.qmath import fitted_group_size
+from ascq.quantize.qmath import block_aligned_group_size
 
 DEFAULT_TARGETS = ["Linear"]
 # lm_head and embeddings stay full precision, as does the MoE router (its logits pick the experts).
@@ -155,9 +155,13 @@ class GroupSizeFit:
     recipe_group_size: int
     group_size: int | None  # what the checkpoint uses; None: per channel where the recipe's does not divide
     in_features: tuple[int, ...]  # the input widths of the group's linears
+    source_block_size: int | None = None  # the source checkpoint's quantization block (GGUF), if any
 
     def message(self) -> str:
         widths = ", ".join(str(w) for w in self.in_features)
+        if self.source_block_size is not None and self.group_size == self.source_block_size:
+            return (f"{self.modifier} {self.group}: the source was quantized in blocks of {self.source_block_size} "
+                    f"columns (GGUF): using group_size {self.group_size} instead of {self.recipe_group_size}")
         if self.group_size is None:
             return (f"{self.modifier} {self.group}: group_size {self.recipe_group_size} does not divide every input "
                     f"width ({widths}) and no power of two >= 32 does: linears it does not divide are per-channel")
@@ -168,10 +172,13 @@ class GroupSizeFit:
         return dataclasses.asdict(self) | {"in_features": list(self.in_features)}
 
 
-def fit_group_sizes(schemes: list[RecipeScheme], linears: Iterable[tuple[str, nn.Module]]) -> list[GroupSizeFit]:
-    """Give every grouped config group the one group size `qmath.fitted_group_size` picks over the linears
-    (full name, module) it quantizes, in place, before any layer is converted: quantizers, the writer and
-    `quantization_config` then all read it from the scheme. Returns the groups whose group size did not fit."""
+def fit_group_sizes(
+    schemes: list[RecipeScheme], linears: Iterable[tuple[str, nn.Module]], source_block_size: int | None = None
+) -> list[GroupSizeFit]:
+    """Give every grouped config group the one group size `qmath.block_aligned_group_size` picks over the linears
+    (full name, module) it quantizes and the source's quantization block (`qmath.source_block_size`), in place,
+    before any layer is converted: quantizers, the writer and `quantization_config` then all read it from the
+    scheme. Returns the groups whose group size changed."""
     owners = {id(g): (rs, key) for rs in schemes for key, g in rs.config_groups.items()}
     widths: dict[int, set[int]] = {}
     for name, module in linears:
@@ -183,10 +190,10 @@ def fit_group_sizes(schemes: list[RecipeScheme], linears: Iterable[tuple[str, nn
         recipe_scheme, key = owners[scheme_id]
         scheme = recipe_scheme.config_groups[key]
         recipe_size = int(scheme.weights.group_size)
-        fitted = fitted_group_size(recipe_size, seen)
+        fitted = block_aligned_group_size(recipe_size, seen, source_block_size)
         if fitted == recipe_size:
             continue
-        fits.append(GroupSizeFit(recipe_scheme.owner, key, recipe_size, fitted, tuple(sorted(seen))))
+        fits.append(GroupSizeFit(recipe_scheme.owner, key, recipe_size, fitted, tuple(sorted(seen)), source_block_size))
         if fitted is not None:
             weights = scheme.weights.model_copy(update={"group_size": fitted})
             recipe_scheme.config_groups[key] = scheme.model_copy(update={"weights": weights})

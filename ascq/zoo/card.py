@@ -154,6 +154,10 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
         groups.append(text)
     ignore = ", ".join(f"`{i}`" for i in qc.get("ignore") or []) or "none"
     fits = "".join(
+        f"; group size {fit['group_size']} instead of the recipe's {fit['recipe_group_size']}: the source checkpoint "
+        f"was quantized in blocks of {fit['source_block_size']} columns (GGUF), which 4-bit groups spanning two "
+        "blocks cannot represent"
+        if fit.get("source_block_size") and fit["group_size"] == fit["source_block_size"] else
         f"; the recipe's group size {fit['recipe_group_size']} does not divide every input width "
         f"({', '.join(map(str, fit['in_features']))}): "
         + (f"group size {fit['group_size']}" if fit["group_size"] else "per-channel where it does not divide")

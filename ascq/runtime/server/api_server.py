@@ -227,12 +227,15 @@ class ServeOptions:
     log_level: str = "info"
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         from ascq.runtime.server.tool_calls import TOOL_CALL_PARSERS
 
         if not 0 <= self.port <= 65535:
             raise AscqError(f"--port must be in [0, 65535], got {self.port}")
+        if self.stream_interval < 1:
+            raise AscqError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         if self.api_key is not None and not self.api_key.strip():
             raise AscqError("--api-key must not be empty")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -329,7 +332,8 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
         logger.info(line)
     # the event loop's own tokenizer copy
     tokenizer = AutoTokenizer.from_pretrained(str(engine_args.tokenizer or engine_args.model))
-    async_engine = AsyncEngine(core, tokenizer, ServerMetrics(model_name))
+    async_engine = AsyncEngine(core, tokenizer, ServerMetrics(model_name),
+                               stream_interval=options.stream_interval)
     app = create_app(async_engine, tokenizer, ChatPrompter(tokenizer, template), model_name,
                      core.info["max_model_len"], core.info["vocab_size"], options.api_key, tool_options=options)
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
