@@ -241,7 +241,9 @@ def generate(
     max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 64,
     gpu_memory_utilization: Annotated[float | None, typer.Option(
         help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM.")] = None,
-    enforce_eager: Annotated[bool, typer.Option(help="Accepted for vLLM compatibility.")] = True,
+    enforce_eager: Annotated[bool, typer.Option(
+        help="Run every step eagerly (the CPU default, by measurement); --no-enforce-eager compiles decode graphs "
+             "at startup (CPU backend).")] = True,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
     quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
     tensor_parallel_size: TensorParallelSize = 1,
@@ -306,7 +308,9 @@ def serve(
         help="Scheduler preset for knobs left at their defaults: latency or throughput (README).")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(
         help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM.")] = None,
-    enforce_eager: Annotated[bool, typer.Option(help="Accepted for vLLM compatibility.")] = True,
+    enforce_eager: Annotated[bool, typer.Option(
+        help="Run every step eagerly (the CPU default, by measurement); --no-enforce-eager compiles decode graphs "
+             "at startup (CPU backend).")] = True,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
     quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
     enable_auto_tool_choice: Annotated[bool, typer.Option(
@@ -454,7 +458,7 @@ MaxNumSeqs = Annotated[int | None, typer.Option(help="Most requests in one batch
 MaxBatched = Annotated[int | None, typer.Option(help="Token budget of one step (default: engine's).")]
 KvMemory = Annotated[int | None, typer.Option(help="KV-cache bytes.")]
 EnforceEager = Annotated[bool | None, typer.Option("--enforce-eager/--no-enforce-eager",
-                                                   help="Run eagerly (no decode graphs).")]
+                                                   help="Run eagerly; --no-enforce-eager: decode graphs (CPU).")]
 PerfMode = Annotated[str | None, typer.Option(help="latency or throughput scheduler preset.")]
 
 

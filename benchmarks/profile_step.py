@@ -4,7 +4,8 @@ B requests are admitted and prefilled, then N decode steps are timed. Each step 
 engine's phases (scheduler, metadata building in `ModelRunner.prepare`, the model forward, the LM head, the
 sampler, the engine's own bookkeeping), and the forward further into its leaf layers (linears, attention kernel,
 KV cache write, norms, rotary, embedding) by timing those calls; "python / other" is the forward's time outside
-them (module dispatch, splits/views, residual adds). Prints a markdown table of ms per step (median over steps).
+them (module dispatch, splits/views, residual adds). With decode graphs (`--no-enforce-eager`) the forward is one
+number: its parts run inside compiled layers. Prints a markdown table of ms per step (median over steps).
 
     OMP_NUM_THREADS=2 python benchmarks/profile_step.py --model zoo/smollm2-135m-instruct --dtype float32 --batch 1 32
 """
@@ -73,6 +74,8 @@ def instrument(llm: LLM, clock: StepClock) -> None:
     model = engine.model
     model.forward = clock.wrap("forward (total)", model.forward, leaf=False)
     model.compute_logits = clock.wrap("lm head", model.compute_logits, leaf=False)
+    if engine.runner.decode_graphs is not None:  # timers inside a compiled layer would break its graph
+        return
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             continue
@@ -125,8 +128,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--enforce-eager", action="store_true", default=None,
-                        help="profile the eager path (default: the engine's default)")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="eager steps, or (--no-enforce-eager) decode graphs; default: the engine's default")
     args = parser.parse_args()
     results = {b: profile(args.model, args.dtype, b, args.steps, args.context, args.enforce_eager) for b in args.batch}
     rows = ["step (total)", "forward (total)", *FORWARD_PARTS, "python / other (in forward)", *ENGINE_PARTS,

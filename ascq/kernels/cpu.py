@@ -256,8 +256,7 @@ def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor |
     native library)."""
     if weight.dtype != torch.bfloat16 or x.shape[0] >= DENSE_BF16_MAX_M or weight.shape[1] % 16:
         return None
-    lib = native.load()
-    return None if lib is None else native.bf16_mm(lib, x, weight)
+    return native.bf16_mm(None, x, weight) if native.available() else None
 
 
 def _dense_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
@@ -283,7 +282,7 @@ def _native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= NATIVE_MAX_M:
         return _dequant_linear(x, p)
     w = p.packed
-    y = native.weight_only_mm(native.load(), x, w.packed, p.weights.num_bits, w.scales, w.zeros, w.group_size)
+    y = native.weight_only_mm(None, x, w.packed, p.weights.num_bits, w.scales, w.zeros, w.group_size)
     return y if p.bias is None else y + p.bias
 
 

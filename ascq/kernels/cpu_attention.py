@@ -11,7 +11,7 @@ from ascq.kernels import native, paged_sdpa
 
 def _native_attend_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale) -> torch.Tensor:
     out = native.paged_decode_attention(
-        native.load(), query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
+        None, query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
     )
     return out.to(query.dtype)
 
@@ -26,10 +26,11 @@ def paged_attention(
     scale: float,
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     same_dtype = k_cache.dtype == v_cache.dtype
-    native_decode = native.load() is not None and k_cache.dtype in native.CACHE_DTYPES and same_dtype
+    native_decode = native.available() and k_cache.dtype in native.CACHE_DTYPES and same_dtype
     return paged_sdpa.paged_attention(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
-        attend_decode=_native_attend_decode if native_decode else paged_sdpa._attend_decode,
+        attend_decode=_native_attend_decode if native_decode else paged_sdpa._attend_decode, max_query_len=max_query_len,
     )

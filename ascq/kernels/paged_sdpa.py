@@ -145,9 +145,15 @@ def paged_attention(
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
     attend_decode: Callable[..., torch.Tensor] = _attend_decode,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """`attend_decode` serves the one-token rows (same arguments as `_attend_decode`); a backend may bring its own."""
+    """`attend_decode` serves the one-token rows (same arguments as `_attend_decode`); a backend may bring its own.
+    `max_query_len` 1 says every row is a decode row: the layout is then not read back to the host (a captured
+    decode graph has no host reads)."""
     device = query.device
+    if max_query_len == 1:
+        lens = seq_lens.to(device=device, dtype=torch.long)
+        return attend_decode(query, k_cache, v_cache, block_tables.to(device), lens, scale, k_scale, v_scale)
     starts, lengths, query_lens = _step_layout(query_start_loc, seq_lens)
     if all(n == 1 for n in query_lens):  # pure decode step: no scatter back needed
         lens = seq_lens.to(device=device, dtype=torch.long)

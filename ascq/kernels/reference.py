@@ -121,8 +121,10 @@ def paged_attention(
     scale: float,
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new query tokens over its whole cached context (this step included)."""
+    """Causal attention of each sequence's new query tokens over its whole cached context (this step included);
+    `max_query_len` (1: every row is a decode row) is a hint other backends use, unused here."""
     out = torch.empty_like(query)
     for s in range(len(seq_lens)):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -76,7 +77,8 @@ class LLMEngine:
             self.block_bytes = bytes_per_block(self.model, args.block_size, self.kv_cache_dtype)
             num_blocks = num_blocks_for(args.resolve_kv_cache_memory(free_before_load, module_bytes(self.model)), self.block_bytes, args.num_gpu_blocks_override)
             allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
-            self.runner = ModelRunner(self.model, args.block_size, self.device, enforce_eager=args.enforce_eager)
+            self.runner = ModelRunner(self.model, args.block_size, self.device, enforce_eager=args.enforce_eager,
+                                      max_num_seqs=args.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.sampler = sampler or Sampler(args.seed, self.eos_token_ids)
@@ -105,6 +107,9 @@ class LLMEngine:
         rank = executor.rank
         self.model, self.quant_config, self.block_bytes = rank.model, rank.quant_config, rank.block_bytes
         self.runner = DistributedModelRunner(executor, args.block_size)
+        if not args.enforce_eager:
+            logging.getLogger("ascq.runtime").info("enforce_eager=False: decode graphs are single-process only; "
+                                                   "the ranks run eagerly")
         return rank.num_blocks
 
     # ---- requests ----------------------------------------------------------------------------------------

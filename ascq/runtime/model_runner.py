@@ -9,6 +9,7 @@ import time
 import torch
 from torch import nn
 
+from ascq.runtime.decode_graphs import DecodeGraphs, unsupported_reason
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.request import Request
 from ascq.runtime.scheduler import SchedulerOutput
@@ -18,13 +19,20 @@ DEBUG_STEP_DELAY_ENV = "ASCQ_DEBUG_STEP_DELAY_MS"
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, block_size: int, device: torch.device, enforce_eager: bool = True) -> None:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device, enforce_eager: bool = True,
+                 max_num_seqs: int = 1) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.enforce_eager = enforce_eager  # every step runs eagerly: no backend captures graphs yet
+        self.decode_graphs: DecodeGraphs | None = None  # pure decode steps through compiled layers
         if not enforce_eager:
-            logger.info("enforce_eager=False: no graph capture on this backend yet; the model runs eagerly")
+            reason = unsupported_reason(model, device)
+            if reason:
+                logger.info("enforce_eager=False: %s; the model runs eagerly", reason)
+            else:
+                self.decode_graphs = DecodeGraphs(model)
+                self.decode_graphs.capture(max_num_seqs, device)
+        self.enforce_eager = self.decode_graphs is None
         # test-only: a deliberate per-step slowdown, so `ascq bench --compare` can be shown to catch regressions
         self.debug_step_delay_s = float(os.environ.get(DEBUG_STEP_DELAY_ENV, "0") or 0) / 1000
 
@@ -57,6 +65,7 @@ class ModelRunner:
             block_tables=tensor(block_tables, torch.int32),
             query_start_loc=tensor(query_start_loc, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
+            max_query_len=max(out.num_scheduled_tokens),  # proposed tokens included
         )
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, [q - 1 for q in query_start_loc[1:]]
 

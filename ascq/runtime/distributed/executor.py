@@ -13,7 +13,6 @@ largest per-rank KV block size, take rank 0's block count, allocate the cache.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -50,8 +49,7 @@ class StepInputs:
     micro_batches: list[tuple[int, int]]  # request ranges, pipeline parallel only
 
     def to(self, device: torch.device) -> StepInputs:
-        meta = AttentionMetadata(*(getattr(self.meta, f.name).to(device) for f in dataclasses.fields(self.meta)))
-        return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, self.sample_rows,
+        return StepInputs(self.input_ids.to(device), self.positions.to(device), self.meta.to(device), self.sample_rows,
                           self.micro_batches)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -17,6 +18,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [S, max_blocks] int32
     query_start_loc: torch.Tensor  # [S + 1] int32
     seq_lens: torch.Tensor  # [S] int32
+    max_query_len: int | None = None  # 1: a pure decode step (no host reads of the layout); None: unknown
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return AttentionMetadata(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
 class Attention(nn.Module):
@@ -43,6 +49,6 @@ class Attention(nn.Module):
         self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = self.backend.paged_attention(
             q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            self.scale, self.k_scale, self.v_scale,
+            self.scale, self.k_scale, self.v_scale, max_query_len=meta.max_query_len,
         )
         return out.reshape(out.shape[0], -1)

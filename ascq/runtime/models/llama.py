@@ -64,7 +64,12 @@ class LlamaMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block; `mlp` is any module mapping [T, hidden] -> [T, hidden]."""
+    """Pre-norm attention + MLP block; `mlp` is any module mapping [T, hidden] -> [T, hidden].
+
+    `decode_graph`: `run` compiled for pure decode steps (set by the model runner's `DecodeGraphs`), used when the
+    step's metadata says every row is a decode row."""
+
+    decode_graph: Callable | None = None
 
     def __init__(self, config: dict[str, Any], mlp: nn.Module, qkv_bias: bool) -> None:
         super().__init__()
@@ -75,6 +80,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
 
     def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.decode_graph is not None and meta.max_query_len == 1:
+            return self.decode_graph(positions, x, residual, meta, cos_sin)
+        return self.run(positions, x, residual, meta, cos_sin)
+
+    def run(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
