@@ -7,10 +7,11 @@ seconds, not the minutes a 30-layer graph takes on 2 cores, and at run time the 
 The native kernels are torch custom ops (`ascq/kernels/native.py`), so a layer is one graph without breaks;
 inductor fuses the norms, residual adds, rotary and SiLU-mul around them.
 
-Batch sizes: like vLLM's capture sizes, graphs are made at startup for 1, 2, 4, ... up to max_num_seqs. Here they
+Batch sizes: like vLLM's capture sizes, graphs are made at startup for 1, 2, 4 (MAX_GRAPH_BATCH; larger decode
+batches and every other step run eagerly, as vLLM runs eagerly past its largest capture size). Here they
 are not one padded graph per size: batch 1 is its own graph, larger batches share one graph with a symbolic batch
 (dynamo's automatic dynamic shapes), split only where a kernel's threshold (all powers of two) changes the path;
-the block-table width is symbolic too. Prefill and mixed steps run eagerly. Inductor's FX graph cache (on by
+the block-table width is symbolic too. Inductor's FX graph cache (on by
 default, under $TORCHINDUCTOR_CACHE_DIR) makes later startups cheaper.
 """
 
@@ -20,6 +21,7 @@ import logging
 import time
 
 import torch
+import torch._inductor.config
 from torch import nn
 
 from ascq.runtime.layers.attention import AttentionMetadata
@@ -28,6 +30,10 @@ from ascq.runtime.models.llama import DecoderLayer
 logger = logging.getLogger("ascq.runtime")
 
 GRAPH_DEVICE_TYPES = ("cpu",)
+MAX_GRAPH_BATCH = 4
+"""Larger decode batches run eagerly: from batch 8 the dense bf16 linears leave the native kernel for an fp32 GEMM,
+which the compiled graph ran at 0.59x eager's speed and with other rounding (greedy tokens changed) on SmolLM2
+(README, decode graphs); a small model's per-op overhead matters most at small batches anyway."""
 RECOMPILE_LIMIT = 64  # graphs per layer code object: (first layer or not) x (batch 1, larger) x kernel thresholds
 
 
@@ -41,12 +47,13 @@ def unsupported_reason(model: nn.Module, device: torch.device) -> str | None:
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, ... up to max_num_seqs (and max_num_seqs itself)."""
+    """1, 2, 4, ... up to min(max_num_seqs, MAX_GRAPH_BATCH) (and that size itself)."""
+    largest = min(max_num_seqs, MAX_GRAPH_BATCH)
     sizes, size = [], 1
-    while size < max_num_seqs:
+    while size < largest:
         sizes.append(size)
         size *= 2
-    return [*sizes, max_num_seqs]
+    return [*sizes, largest]
 
 
 def dummy_decode_inputs(batch: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -57,6 +64,7 @@ def dummy_decode_inputs(batch: int, num_blocks: int) -> tuple[torch.Tensor, torc
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
         seq_lens=torch.ones(batch, dtype=torch.int32),
         max_query_len=1,
+        use_decode_graph=True,
     )
     return torch.zeros(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64), meta
 
@@ -64,6 +72,9 @@ def dummy_decode_inputs(batch: int, num_blocks: int) -> tuple[torch.Tensor, torc
 class DecodeGraphs:
     def __init__(self, model: nn.Module) -> None:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        # bf16 pointwise ops rounded after each op as eager does (inductor otherwise keeps fp32 in between, which
+        # changed greedy tokens of bf16 checkpoints)
+        torch._inductor.config.emulate_precision_casts = True
         self.model = model
         self.layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
         for layer in self.layers:

@@ -9,7 +9,7 @@ import time
 import torch
 from torch import nn
 
-from ascq.runtime.decode_graphs import DecodeGraphs, unsupported_reason
+from ascq.runtime.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, unsupported_reason
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.request import Request
 from ascq.runtime.scheduler import SchedulerOutput
@@ -67,6 +67,8 @@ class ModelRunner:
             seq_lens=tensor(seq_lens, torch.int32),
             max_query_len=max(out.num_scheduled_tokens),  # proposed tokens included
         )
+        meta.use_decode_graph = (self.decode_graphs is not None and meta.max_query_len == 1
+                                 and len(out.requests) <= MAX_GRAPH_BATCH)
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, [q - 1 for q in query_start_loc[1:]]
 
     @torch.inference_mode()

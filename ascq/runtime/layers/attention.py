@@ -19,6 +19,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     seq_lens: torch.Tensor  # [S] int32
     max_query_len: int | None = None  # 1: a pure decode step (no host reads of the layout); None: unknown
+    use_decode_graph: bool = False  # run the decoder layers' compiled decode graphs (runtime/decode_graphs.py)
 
     def to(self, device: torch.device) -> AttentionMetadata:
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -67,7 +67,7 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; `mlp` is any module mapping [T, hidden] -> [T, hidden].
 
     `decode_graph`: `run` compiled for pure decode steps (set by the model runner's `DecodeGraphs`), used when the
-    step's metadata says every row is a decode row."""
+    step's metadata asks for it."""
 
     decode_graph: Callable | None = None
 
@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.decode_graph is not None and meta.max_query_len == 1:
+        if meta.use_decode_graph and self.decode_graph is not None:
             return self.decode_graph(positions, x, residual, meta, cos_sin)
         return self.run(positions, x, residual, meta, cos_sin)
 
