@@ -144,3 +144,19 @@ def test_input_capture_views_share_storage_for_the_gram_cache(tiny_llama_dir):
     with InputCapture(layer, names, on_input), torch.no_grad():
         arch.forward_layer(layer, torch.randn(1, 8, arch.hidden_size), torch.arange(8)[None])
     assert len(set(pointers.values())) == 1
+
+
+def test_alpha_grid_with_stacked_candidates_is_bit_identical():
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    x[:, [5, 9]] *= 20.0
+    q, k = nn.Linear(64, 48, bias=False), nn.Linear(64, 16, bias=False)
+
+    def block() -> torch.Tensor:
+        return torch.cat([q(x), k(x)], dim=-1).relu()
+
+    config = awq.AWQSearchConfig(group_size=32)
+    one_at_a_time = awq.search_scales(awq.activation_mean(x), [q, k], block, fake_quantize, config)
+    stacked = awq.search_scales(awq.activation_mean(x), [q, k], block, fake_quantize, config, rows_independent=True)
+    assert stacked[2] == one_at_a_time[2] and stacked[1] == one_at_a_time[1]
+    assert torch.equal(stacked[0], one_at_a_time[0]) and one_at_a_time[1] > 0

@@ -89,6 +89,7 @@ def search_scales(
     config: AWQSearchConfig,
     exact: bool = False,
     gram: torch.Tensor | None = None,
+    rows_independent: bool = False,
 ) -> tuple[torch.Tensor, float, list[float]]:
     """Best per-input-channel scales for `linears` (which all read the same input, of mean |x| `x_mean`).
 
@@ -101,7 +102,8 @@ def search_scales(
 
     `gram`: when the block is the one linear itself, its sampled input's xᵀx / n. The loss mean((x·Dᵀ)²) of a
     weight change D is then Σ (D·G) ⊙ D / out, without running the block (out · in² instead of n · out · in
-    multiply-adds per grid point; equal up to float rounding).
+    multiply-adds per grid point; equal up to float rounding). `rows_independent`: every quantizer treats each row
+    on its own, so the scaled weights of several grid points are stacked as rows and quantized in one call.
     """
     quantizers = [fake_quantize] * len(linears) if callable(fake_quantize) else list(fake_quantize)
     w_mean = weight_mean([lin.weight for lin in linears], config.group_size) if config.duo_scaling else None
@@ -111,22 +113,30 @@ def search_scales(
     originals = [lin.weight.data.clone() for lin in linears]
     losses: list[float] = []
     best = (float("inf"), 0.0, torch.ones_like(x_mean))
+    candidates = [(step / config.num_grid, duo_scales(x_mean, w_mean, step / config.num_grid)) for step in range(config.num_grid)]
+    if exact:
+        candidates = [(alpha, power_of_two(scales)) for alpha, scales in candidates]
+    largest = max(w.numel() for w in originals)
+    per_call = max(1, CLIP_STACK_ELEMENTS // largest) if rows_independent else 1
     try:
-        for step in range(config.num_grid):
-            alpha = step / config.num_grid
-            scales = duo_scales(x_mean, w_mean, alpha)
-            if exact:
-                scales = power_of_two(scales)
-            for lin, w, quantize in zip(linears, originals, quantizers, strict=True):
-                lin.weight.data = (quantize(w.float() * scales) / scales).to(w.dtype)
-            if gram is None:
-                loss = (block_output().float() - reference).pow(2).mean().item()
-            else:
-                change = linears[0].weight.float() - originals[0].float()
-                loss = ((change @ gram) * change).sum().item() / change.shape[0]
-            losses.append(loss)
-            if loss < best[0]:
-                best = (loss, alpha, scales)
+        for first in range(0, len(candidates), per_call):
+            chunk = candidates[first : first + per_call]
+            stacked = torch.stack([scales for _, scales in chunk])[:, None, :]  # [k, 1, in]
+            quantized = [
+                (quantize((w.float()[None] * stacked).view(-1, w.shape[1])).view(len(chunk), *w.shape) / stacked).to(w.dtype)
+                for w, quantize in zip(originals, quantizers, strict=True)
+            ]
+            for index, (alpha, scales) in enumerate(chunk):
+                for lin, q in zip(linears, quantized, strict=True):
+                    lin.weight.data = q[index]
+                if gram is None:
+                    loss = (block_output().float() - reference).pow(2).mean().item()
+                else:
+                    change = linears[0].weight.float() - originals[0].float()
+                    loss = ((change @ gram) * change).sum().item() / change.shape[0]
+                losses.append(loss)
+                if loss < best[0]:
+                    best = (loss, alpha, scales)
     finally:
         for lin, w in zip(linears, originals, strict=True):
             lin.weight.data = w

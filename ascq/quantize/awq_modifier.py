@@ -163,6 +163,7 @@ class AWQModifier(Modifier):
             self._search_config(ctx, linears[0]),
             exact=bool(group.exact_layers),
             gram=gram,
+            rows_independent=all(ctx.targets[n].weights.strategy in ("channel", "group") for n in linears),
         )
         consumers = modules + [ctx.module(n) for n in group.exact_layers]
         producer = ctx.module(group.smooth_layer)
