@@ -32,6 +32,9 @@ class AWQSearchConfig:
     max_clip_tokens: int = 512  # tokens sampled for the clip search
     max_search_tokens: int = 4096  # calibration tokens the α search runs its block on (mean |x| uses all)
     group_size: int = 128
+    # also score s = 1 (no smoothing; reported as α None): the modifier sets it where the weights already lie on
+    # the quantization grid (a GGUF source kept by float zero points), which any other s moves them off
+    identity_candidate: bool = False
 
     def __post_init__(self) -> None:
         if self.num_grid < 1 or self.num_clip_steps < 1:
@@ -87,7 +90,7 @@ def search_scales(
     fake_quantize: FakeQuantize | Sequence[FakeQuantize],
     config: AWQSearchConfig,
     exact: bool = False,
-) -> tuple[torch.Tensor, float, list[float]]:
+) -> tuple[torch.Tensor, float | None, list[float]]:
     """Best per-input-channel scales for `linears` (which all read the same input, of mean |x| `x_mean`).
 
     `exact`: every candidate is rounded to powers of two (`power_of_two`), for groups whose producer also feeds a
@@ -104,9 +107,9 @@ def search_scales(
     losses: list[float] = []
     best = (float("inf"), 0.0, torch.ones_like(x_mean))
     try:
-        for step in range(config.num_grid):
-            alpha = step / config.num_grid
-            scales = duo_scales(x_mean, w_mean, alpha)
+        for step in [*([None] if config.identity_candidate else []), *range(config.num_grid)]:
+            alpha = None if step is None else step / config.num_grid
+            scales = torch.ones_like(x_mean) if alpha is None else duo_scales(x_mean, w_mean, alpha)
             if exact:
                 scales = power_of_two(scales)
             for lin, w, quantize in zip(linears, originals, quantizers, strict=True):

@@ -32,6 +32,7 @@ class GPTQConfig:
     block_size: int = 128
     dampening_frac: float = 0.01
     actorder: bool = False
+    float_zero_point: bool = False  # zeros are unrounded floats: q = round(w / scale + zero), as qmath.quantize
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -61,9 +62,11 @@ class HessianAccumulator:
         self.num_tokens = total
 
 
-def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, q_min: int, q_max: int) -> torch.Tensor:
-    q = torch.clamp(torch.round(w / scale) + zero, q_min, q_max)
-    return (q - zero) * scale
+def _quantize_column(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, q_min: int, q_max: int, float_zero: bool = False
+) -> torch.Tensor:
+    q = torch.round(w / scale + zero) if float_zero else torch.round(w / scale) + zero
+    return (torch.clamp(q, q_min, q_max) - zero) * scale
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> torch.Tensor:
@@ -123,7 +126,7 @@ def gptq_quantize(
                 upcoming = torch.cat([w_block[:, i:], w[:, end:]], dim=1)[:, :group]
                 scales[:, g : g + 1], zeros[:, g : g + 1] = qparams(upcoming)
             column = w_block[:, i]
-            q = _quantize_column(column, scales[:, g], zeros[:, g], q_min, q_max)
+            q = _quantize_column(column, scales[:, g], zeros[:, g], q_min, q_max, config.float_zero_point)
             q_block[:, i] = q
             err = (column - q) / u_block[i, i]
             w_block[:, i:] -= err[:, None] * u_block[i, i:][None, :]

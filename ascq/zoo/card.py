@@ -140,6 +140,8 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any]) -> str:
 
 
 def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
+    from ascq.quantize.schemes import zero_point_note
+
     qc = config.get("quantization_config") or {}
     if manifest.get("format") != "compressed-tensors" or not qc:
         return manifest.get("format") or "hf"
@@ -149,6 +151,8 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
         text = f"weights int{w.get('num_bits')} {w.get('strategy')}"
         text += f" {w['group_size']}" if w.get("group_size") else ""
         text += ", symmetric" if w.get("symmetric", True) else ", asymmetric"
+        if str(w.get("zp_dtype", "")).removeprefix("torch.") in ("bfloat16", "float16", "float32"):
+            text += f", {str(w['zp_dtype']).removeprefix('torch.')} zero points"
         if a:
             text += f"; activations int{a.get('num_bits')} {'dynamic' if a.get('dynamic') else 'static'} {a.get('strategy')}"
         groups.append(text)
@@ -162,7 +166,9 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
         f"({', '.join(map(str, fit['in_features']))}): "
         + (f"group size {fit['group_size']}" if fit["group_size"] else "per-channel where it does not divide")
         for fit in (manifest.get("conversion") or {}).get("group_size_fits", [])
+        if fit["group_size"] != fit["recipe_group_size"]
     )
+    fits += "".join(f"; {note}" for note in map(zero_point_note, (manifest.get("conversion") or {}).get("group_size_fits", [])) if note)
     return f"compressed-tensors `{qc.get('format')}` ({'; '.join(groups)}); not quantized: {ignore}{fits}"
 
 
