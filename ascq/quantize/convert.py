@@ -25,6 +25,7 @@ from ascq.quantize.recipe import ComposedRecipe, load_recipes
 from ascq.zoo.manifest import (
     MANIFEST_NAME,
     check_output,
+    group_size_fit_text,
     new_manifest,
     read_manifest,
     sigterm_raises,
@@ -270,10 +271,7 @@ def format_summary(entry: Path) -> str:
     if metrics.get("perplexity"):
         delta = 100 * (metrics["perplexity"] / metrics["perplexity_base"] - 1)
         lines.append(f"perplexity {metrics['perplexity_base']:.3f} -> {metrics['perplexity']:.3f} ({delta:+.2f}%)")
-    for fit in (f for f in conv.get("group_size_fits", []) if f["group_size"]):
-        why = (f"the source's GGUF blocks of {fit['source_block_size']} columns"
-               if fit.get("source_block_size") == fit["group_size"] else f"input widths {', '.join(map(str, fit['in_features']))}")
-        lines.append(f"group size {fit['group_size']} instead of the recipe's {fit['recipe_group_size']} ({why})")
+    lines += [group_size_fit_text(fit) for fit in conv.get("group_size_fits", []) if fit["group_size"]]
     if conv["group_size_fallbacks"]:
         lines.append(f"{len(conv['group_size_fallbacks'])} linears fell back to per-channel (see ascq.json)")
     return "\n".join(lines)

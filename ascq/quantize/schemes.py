@@ -19,6 +19,7 @@ from torch import nn
 from ascq.errors import AscqError, UnsupportedError
 from ascq.formats import compressed_tensors as ct
 from ascq.quantize.qmath import block_aligned_group_size
+from ascq.zoo.manifest import group_size_fit_text
 
 DEFAULT_TARGETS = ["Linear"]
 # lm_head and embeddings stay full precision, as does the MoE router (its logits pick the experts).
@@ -158,15 +159,7 @@ class GroupSizeFit:
     source_block_size: int | None = None  # the source checkpoint's quantization block (GGUF), if any
 
     def message(self) -> str:
-        widths = ", ".join(str(w) for w in self.in_features)
-        if self.source_block_size is not None and self.group_size == self.source_block_size:
-            return (f"{self.modifier} {self.group}: the source was quantized in blocks of {self.source_block_size} "
-                    f"columns (GGUF): using group_size {self.group_size} instead of {self.recipe_group_size}")
-        if self.group_size is None:
-            return (f"{self.modifier} {self.group}: group_size {self.recipe_group_size} does not divide every input "
-                    f"width ({widths}) and no power of two >= 32 does: linears it does not divide are per-channel")
-        return (f"{self.modifier} {self.group}: group_size {self.recipe_group_size} does not divide every input width "
-                f"({widths}): using group_size {self.group_size}")
+        return f"{self.modifier} {self.group}: {group_size_fit_text(self.record())}"
 
     def record(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"in_features": list(self.in_features)}

@@ -288,3 +288,15 @@ def _exchange(a: Path, b: Path) -> bool:
         return False
     at_fdcwd, rename_exchange = -100, 2
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def group_size_fit_text(fit: dict[str, Any]) -> str:
+    """What a config group's group size became and why, from its manifest record (`GroupSizeFit.record`): the one
+    text the convert log, the convert summary and the model card show."""
+    if fit.get("source_block_size") and fit["group_size"] == fit["source_block_size"]:
+        why = (f"the source checkpoint was quantized in GGUF blocks of {fit['source_block_size']} columns, which "
+               "4-bit groups spanning two blocks cannot represent")
+    else:
+        why = f"it does not divide every input width ({', '.join(map(str, fit['in_features']))})"
+    result = f"group size {fit['group_size']}" if fit["group_size"] else "per-channel where it does not divide"
+    return f"{result} instead of the recipe's {fit['recipe_group_size']}: {why}"
