@@ -163,8 +163,8 @@ def test_gguf_block_quantized_source_gets_its_block_as_group_size(source: Path, 
     assert _quantization_config(entry)["config_groups"]["group_0"]["weights"]["group_size"] == 32
     [fit] = read_manifest(entry)["conversion"]["group_size_fits"]
     assert (fit["recipe_group_size"], fit["group_size"], fit["source_block_size"]) == (128, 32, 32)
-    assert "the source's GGUF blocks of 32 columns" in format_summary(entry)
-    assert "quantized in blocks of 32 columns (GGUF)" in render_card(entry)
+    assert "quantized in GGUF blocks of 32 columns" in format_summary(entry)
+    assert "quantized in GGUF blocks of 32 columns" in render_card(entry)
     for name, w in _transformers_weights(entry).items():
         torch.testing.assert_close(w, tensors[f"{name}.weight"].float(), rtol=0, atol=0, msg=name)
         assert not torch.equal(_plain_rtn(tensors[f"{name}.weight"], 64, torch.bfloat16), w), name  # g64 is lossy

@@ -20,6 +20,7 @@ from torch import nn
 from ascq.errors import AscqError, UnsupportedError
 from ascq.formats import compressed_tensors as ct
 from ascq.quantize.qmath import block_aligned_group_size, float_zero_point
+from ascq.zoo.manifest import group_size_fit_text
 
 DEFAULT_TARGETS = ["Linear"]
 # lm_head and embeddings stay full precision, as does the MoE router (its logits pick the experts).
@@ -206,36 +207,10 @@ class GroupSizeFit:
     zp_dtype_from: str | None = None  # "source" (planner: float block minima) or "recipe" (the recipe's zp_dtype)
 
     def message(self) -> str:
-        text = self._group_size_message()
-        note = zero_point_note(self.record())
-        return f"{text}; {note}" if text and note else text or f"{self.modifier} {self.group}: {note}"
-
-    def _group_size_message(self) -> str | None:
-        widths = ", ".join(str(w) for w in self.in_features)
-        if self.group_size == self.recipe_group_size:
-            return None
-        if self.source_block_size is not None and self.group_size == self.source_block_size:
-            return (f"{self.modifier} {self.group}: the source was quantized in blocks of {self.source_block_size} "
-                    f"columns (GGUF): using group_size {self.group_size} instead of {self.recipe_group_size}")
-        if self.group_size is None:
-            return (f"{self.modifier} {self.group}: group_size {self.recipe_group_size} does not divide every input "
-                    f"width ({widths}) and no power of two >= 32 does: linears it does not divide are per-channel")
-        return (f"{self.modifier} {self.group}: group_size {self.recipe_group_size} does not divide every input width "
-                f"({widths}): using group_size {self.group_size}")
+        return f"{self.modifier} {self.group}: {group_size_fit_text(self.record())}"
 
     def record(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"in_features": list(self.in_features)}
-
-
-def zero_point_note(fit: dict[str, Any]) -> str | None:
-    """Why a group's zero points are floats and who can load them (from a `GroupSizeFit.record()`); None: int."""
-    if not fit.get("zp_dtype"):
-        return None
-    why = (f"the source's GGUF blocks of {fit['source_block_size']} columns each have a float minimum, which an "
-           "integer zero point cannot represent" if fit.get("zp_dtype_from") == "source" else "the recipe's zp_dtype")
-    return (f"{fit['zp_dtype']} zero points ({why}); stored unpacked (compressed-tensors naive-quantized, int8 "
-            "weights): transformers and ascq load it, vLLM's int4 kernels cannot (set zp_dtype: int for a "
-            "pack-quantized checkpoint they can)")
 
 
 def _planned_zp_dtype(

@@ -14,7 +14,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from ascq.atomic_file import atomic_write
 from ascq.paths import RECIPES_DIR, zoo_root
-from ascq.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from ascq.zoo.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest, sha256_file
 
 CARD_NAME = "README.md"
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -140,8 +140,6 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any]) -> str:
 
 
 def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
-    from ascq.quantize.schemes import zero_point_note
-
     qc = config.get("quantization_config") or {}
     if manifest.get("format") != "compressed-tensors" or not qc:
         return manifest.get("format") or "hf"
@@ -157,18 +155,7 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
             text += f"; activations int{a.get('num_bits')} {'dynamic' if a.get('dynamic') else 'static'} {a.get('strategy')}"
         groups.append(text)
     ignore = ", ".join(f"`{i}`" for i in qc.get("ignore") or []) or "none"
-    fits = "".join(
-        f"; group size {fit['group_size']} instead of the recipe's {fit['recipe_group_size']}: the source checkpoint "
-        f"was quantized in blocks of {fit['source_block_size']} columns (GGUF), which 4-bit groups spanning two "
-        "blocks cannot represent"
-        if fit.get("source_block_size") and fit["group_size"] == fit["source_block_size"] else
-        f"; the recipe's group size {fit['recipe_group_size']} does not divide every input width "
-        f"({', '.join(map(str, fit['in_features']))}): "
-        + (f"group size {fit['group_size']}" if fit["group_size"] else "per-channel where it does not divide")
-        for fit in (manifest.get("conversion") or {}).get("group_size_fits", [])
-        if fit["group_size"] != fit["recipe_group_size"]
-    )
-    fits += "".join(f"; {note}" for note in map(zero_point_note, (manifest.get("conversion") or {}).get("group_size_fits", [])) if note)
+    fits = "".join(f"; {group_size_fit_text(fit)}" for fit in (manifest.get("conversion") or {}).get("group_size_fits", []))
     return f"compressed-tensors `{qc.get('format')}` ({'; '.join(groups)}); not quantized: {ignore}{fits}"
 
 
