@@ -33,6 +33,9 @@ class AWQSearchConfig:
     max_clip_tokens: int = 512  # tokens sampled for the clip search
     max_search_tokens: int = 4096  # calibration tokens the α search runs its block on (mean |x| uses all)
     group_size: int = 128
+    # also score s = 1 (no smoothing; reported as α None): the modifier sets it where the weights already lie on
+    # the quantization grid (a GGUF source kept by float zero points), which any other s moves them off
+    identity_candidate: bool = False
 
     def __post_init__(self) -> None:
         if self.num_grid < 1 or self.num_clip_steps < 1:
@@ -90,7 +93,7 @@ def search_scales(
     exact: bool = False,
     gram: torch.Tensor | None = None,
     rows_independent: bool = False,
-) -> tuple[torch.Tensor, float, list[float]]:
+) -> tuple[torch.Tensor, float | None, list[float]]:
     """Best per-input-channel scales for `linears` (which all read the same input, of mean |x| `x_mean`).
 
     `exact`: every candidate is rounded to powers of two (`power_of_two`), for groups whose producer also feeds a
@@ -113,7 +116,8 @@ def search_scales(
     originals = [lin.weight.data.clone() for lin in linears]
     losses: list[float] = []
     best = (float("inf"), 0.0, torch.ones_like(x_mean))
-    candidates = [(step / config.num_grid, duo_scales(x_mean, w_mean, step / config.num_grid)) for step in range(config.num_grid)]
+    candidates = [(None, torch.ones_like(x_mean))] if config.identity_candidate else []  # s = 1, reported as α None
+    candidates += [(step / config.num_grid, duo_scales(x_mean, w_mean, step / config.num_grid)) for step in range(config.num_grid)]
     if exact:
         candidates = [(alpha, power_of_two(scales)) for alpha, scales in candidates]
     largest = max(w.numel() for w in originals)

@@ -45,6 +45,7 @@ ARGS = {
     "clip_steps": int,
     "min_expert_tokens": int,
     "max_search_tokens": int,
+    "zp_dtype": str,
 }
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # AutoAWQ: clipping q/k hurts the attention scores
 
@@ -131,7 +132,7 @@ class AWQModifier(Modifier):
         args = ctx.targets[name].weights
         in_features = ctx.module(name).weight.shape[1]
         group = args.group_size if args.strategy == "group" and args.group_size else in_features
-        return dataclasses.replace(self.search, group_size=group)
+        return dataclasses.replace(self.search, group_size=group, identity_candidate=qmath.float_zero_point(args))
 
     def _balance(
         self, ctx: LayerContext, group: BalanceGroup, x: list[torch.Tensor], calls: list | None, report: dict[str, Any]

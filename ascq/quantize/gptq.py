@@ -33,6 +33,7 @@ class GPTQConfig:
     block_size: int = 128
     dampening_frac: float = 0.01
     actorder: bool = False
+    float_zero_point: bool = False  # zeros are unrounded floats: q = round(w / scale + zero), as qmath.quantize
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -96,9 +97,11 @@ def single_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, q_min: int, q_max: int) -> torch.Tensor:
-    q = torch.clamp(torch.round(w / scale) + zero, q_min, q_max)
-    return (q - zero) * scale
+def _quantize_column(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, q_min: int, q_max: int, float_zero: bool = False
+) -> torch.Tensor:
+    q = torch.round(w / scale + zero) if float_zero else torch.round(w / scale) + zero
+    return (torch.clamp(q, q_min, q_max) - zero) * scale
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> torch.Tensor:
@@ -168,7 +171,7 @@ def _solve(w: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, zeros: torch.
                 upcoming = torch.cat([w_block[:, i:], w[:, end:]], dim=1)[:, :group]
                 scales[:, g : g + 1], zeros[:, g : g + 1] = qparams(upcoming)
             column = w_block[:, i]
-            q = _quantize_column(column, scales[:, g], zeros[:, g], q_min, q_max)
+            q = _quantize_column(column, scales[:, g], zeros[:, g], q_min, q_max, config.float_zero_point)
             q_block[:, i] = q
             err = (column - q) / u_block[i, i]
             w_block[:, i:] -= err[:, None] * u_block[i, i:][None, :]

@@ -35,6 +35,7 @@ ARGS = {
     "dampening_frac": (float, int),
     "actorder": (str, bool),
     "min_expert_tokens": int,
+    "zp_dtype": str,
 }
 # "static" (a.k.a. "weight") keeps contiguous groups; "group"/"dynamic" would need a g_idx in the checkpoint
 ACTORDER = {None: False, False: False, "static": True, "weight": True}
@@ -82,6 +83,7 @@ class GPTQModifier(Modifier):
                 block_size=self.block_size,
                 dampening_frac=self.dampening_frac,
                 actorder=self.actorder,
+                float_zero_point=args is not None and qmath.float_zero_point(args),
             )
         except ValueError as exc:
             raise RecipeError(f"{self.name}: {exc}") from None
@@ -130,7 +132,7 @@ class GPTQModifier(Modifier):
             q, scale, zero_point = qmath.quantize_weight(weight, args, ctx.scale_dtype)
             return QuantizedLinear(q, scale, zero_point)
         scale = scale.to(ctx.scale_dtype)
-        zero_point = None if args.symmetric else zero.to(torch.int8)
+        zero_point = None if args.symmetric else zero.to(qmath.zero_point_dtype(args) or torch.int8)
         q = qmath.quantize_with_qparams(deq, scale, zero_point, args)
         return QuantizedLinear(q, scale, zero_point)
 
@@ -146,7 +148,8 @@ def _qparams(args: QuantizationArgs, scale_dtype: torch.dtype):
     """Per-row (scale, zero) of a weight slice, rounded to the checkpoint's scale dtype as the writer will."""
 
     def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale, zero = qmath.compute_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args.num_bits, args.symmetric, scale_dtype)
+        scale, zero = qmath.compute_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args.num_bits, args.symmetric,
+                                            scale_dtype, qmath.zero_point_dtype(args))
         return scale.float(), zero.float()
 
     return qparams

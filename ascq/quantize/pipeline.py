@@ -153,12 +153,14 @@ class LayerJob:
     dtype: torch.dtype  # of the written full-precision tensors
     scale_dtype: torch.dtype
     source_block_size: int | None = None  # the source's quantization block (`qmath.source_block_size`)
+    source_float_min: bool = False  # its blocks have float minima (`qmath.source_has_float_min`)
     schemes: list[RecipeScheme] = dataclasses.field(init=False)
     group_size_fits: list[GroupSizeFit] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.schemes = self.recipe.schemes()
-        self.group_size_fits = fit_group_sizes(self.schemes, decoder_linears(self.arch), self.source_block_size)
+        self.group_size_fits = fit_group_sizes(self.schemes, decoder_linears(self.arch), self.source_block_size,
+                                               self.source_float_min, self.scale_dtype)
         for fit in self.group_size_fits:
             log.warning("%s", fit.message())
 
@@ -219,13 +221,15 @@ def stream_convert(
     progress: bool = True,
     writer: ShardWriter | None = None,
     source_block_size: int | None = None,
+    source_float_min: bool = False,
 ) -> StreamResult:
     """`writer` picks the output format (default: compressed-tensors shards; see msmodelslim.MsModelSlimWriter);
-    `source_block_size`: the source checkpoint's quantization block (`qmath.source_block_size`)."""
+    `source_block_size`: the source checkpoint's quantization block (`qmath.source_block_size`), `source_float_min`:
+    whether its blocks have float minima (`qmath.source_has_float_min`)."""
     return_freed_memory_to_os()
     dtype, scale_dtype = checkpoint_dtypes(reader)
     job = LayerJob(reader, arch, recipe, writer or ShardWriter(out_dir, max_shard_bytes), device, dtype, scale_dtype,
-                   source_block_size)
+                   source_block_size, source_float_min)
     embed = reader.get("model.embed_tokens.weight")
     job.writer.add("model.embed_tokens.weight", embed)
     windows = eval_windows(eval_ids, EVAL_SEQ_LEN) if eval_ids is not None else None
