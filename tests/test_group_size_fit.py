@@ -163,8 +163,68 @@ def test_gguf_block_quantized_source_gets_its_block_as_group_size(source: Path, 
     assert _quantization_config(entry)["config_groups"]["group_0"]["weights"]["group_size"] == 32
     [fit] = read_manifest(entry)["conversion"]["group_size_fits"]
     assert (fit["recipe_group_size"], fit["group_size"], fit["source_block_size"]) == (128, 32, 32)
-    assert "the source's GGUF blocks of 32 columns" in format_summary(entry)
-    assert "quantized in blocks of 32 columns (GGUF)" in render_card(entry)
+    assert "quantized in GGUF blocks of 32 columns" in format_summary(entry)
+    assert "quantized in GGUF blocks of 32 columns" in render_card(entry)
     for name, w in _transformers_weights(entry).items():
         torch.testing.assert_close(w, tensors[f"{name}.weight"].float(), rtol=0, atol=0, msg=name)
         assert not torch.equal(_plain_rtn(tensors[f"{name}.weight"], 64, torch.bfloat16), w), name  # g64 is lossy
+
+
+def _q4_1_blocked(source: Path, dest: Path, quantization_type: str = "Q4_1") -> dict[str, torch.Tensor]:
+    """`source` with every linear's weight on a Q4_1-style grid, w = d·k + m per 32-column block (k in 0..15, d a
+    power of two, m = -d·(j + f) with a fractional f: a float minimum an integer zero point cannot hold; every value
+    exact in bf16), and an ascq.json naming the GGUF type. Returns the written tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dest)
+    tensors = load_file(dest / "model.safetensors")
+    generator = torch.Generator().manual_seed(2)
+    for name, w in tensors.items():
+        if name.endswith(tuple(f"{lin}.weight" for lin in LINEARS)):
+            rows, cols = w.shape
+            k = torch.randint(0, 16, (rows, cols // 32, 32), generator=generator).float()
+            k[..., 0], k[..., 1] = 0, 15  # every block spans its whole grid (min-max scale = d, min = m)
+            d = 2.0 ** -torch.randint(6, 9, (rows, cols // 32, 1), generator=generator).float()
+            frac = torch.tensor([0.25, 0.5, 0.75])[torch.randint(0, 3, (rows, cols // 32, 1), generator=generator)]
+            m = -d * (torch.randint(1, 14, (rows, cols // 32, 1), generator=generator) + frac)
+            tensors[name] = (d * k + m).reshape(rows, cols).to(w.dtype)
+            assert torch.equal(tensors[name].float(), (d * k + m).reshape(rows, cols))  # exact in bf16
+    save_file(tensors, dest / "model.safetensors")
+    (dest / "ascq.json").write_text(json.dumps({"name": dest.name, "source": {"gguf": {"quantization_type": quantization_type}}}))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def q4_1_source(source: Path, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    dest = tmp_path_factory.mktemp("q4_1") / "q4_1"
+    return dest, _q4_1_blocked(source, dest)
+
+
+def _convert(model: Path, recipe: str, out: Path) -> Path:
+    return convert(ConvertOptions(str(model), [recipe], out=out, num_samples=2, seq_len=32, max_eval_tokens=256,
+                                  progress=False))
+
+
+@pytest.mark.parametrize("recipe", ["w4a16-rtn", "awq-int4", "w4a16-gptq"])
+def test_float_min_source_kept_exactly_by_float_zero_points(recipe: str, q4_1_source, tmp_path: Path) -> None:
+    """A Q4_1-style source (a float minimum per 32-column block): the planner picks bf16 zero points at the block
+    size; every int4 recipe gives every weight back exactly (transformers decompressing the checkpoint), the
+    config says zp_dtype bfloat16 in compressed-tensors' naive-quantized format, and ascq.json, the summary and the
+    card say why."""
+    source, tensors = q4_1_source
+    entry = _convert(source, recipe, tmp_path / recipe)
+    qc = _quantization_config(entry)
+    group = qc["config_groups"]["group_0"]
+    assert (group["format"], group["weights"]["group_size"], group["weights"]["zp_dtype"]) == ("naive-quantized", 32, "torch.bfloat16")
+    [fit] = read_manifest(entry)["conversion"]["group_size_fits"]
+    assert (fit["group_size"], fit["zp_dtype"], fit["zp_dtype_from"]) == (32, "bfloat16", "source")
+    assert "bfloat16 zero points (the source's GGUF blocks of 32 columns each have a float minimum" in format_summary(entry)
+    card = render_card(entry)
+    assert "bfloat16 zero points" in card and "vLLM's int4 kernels cannot" in card
+    infos = read_tensor_infos(entry)
+    zp = {d for n, (d, _) in infos.items() if n.endswith("weight_zero_point")}
+    assert zp == {"BF16"} and all(d == "I8" for n, (d, _) in infos.items() if n.endswith(".weight") and "proj" in n)
+    for name, w in _transformers_weights(entry).items():
+        torch.testing.assert_close(w, tensors[f"{name}.weight"].float(), rtol=0, atol=0, msg=name)

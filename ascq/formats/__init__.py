@@ -14,7 +14,7 @@ class QuantizedLinear:
 
     q: torch.Tensor  # int8 [out, in], int4 values in [-8, 7]
     scale: torch.Tensor  # [1], [out, 1] or [out, in // group_size], checkpoint scale dtype
-    zero_point: torch.Tensor | None = None  # int8, same shape as scale; None when symmetric
+    zero_point: torch.Tensor | None = None  # same shape as scale: int8, or a float dtype (zp_dtype); None: symmetric
     input_scale: torch.Tensor | None = None  # [1] for static per-tensor activations
 
     def __post_init__(self) -> None:

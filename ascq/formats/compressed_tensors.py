@@ -2,7 +2,10 @@
 
 - `compress_linear`: a quantized linear -> its on-disk tensors, through the pinned library's own compressor
   (`int-quantized`: int8 `weight`; `pack-quantized`: `weight_packed` int32 + `weight_shape`, asymmetric zero
-  points packed along the output dim).
+  points packed along the output dim; `naive-quantized` for float zero points (`zp_dtype` a float dtype): int8
+  `weight` holding the int4 values, `weight_zero_point` in `zp_dtype`, because pack-quantized packs zero points
+  into int32 and so holds integers only. transformers loads it (compressed-tensors decompresses it); vLLM's
+  compressed-tensors int4 path reads pack-quantized only.)
 - `decompress_linear`: the on-disk tensors -> the signed-int convention of docs/ARCHITECTURE.md
   (`weight` int8 values, `weight_scale`, `zero_point` int8 or absent, `input_scale`, `bias` as stored).
 - `scheme_name`: the kernels' name for a config group's weights + activations (w8a8_dynamic, w4a16, ...).
@@ -32,14 +35,19 @@ from ascq.quantize import qmath
 FORMAT = "compressed-tensors"
 PACKED = "pack-quantized"
 INT = "int-quantized"
-SUPPORTED_FORMATS = (INT, PACKED)
+NAIVE = "naive-quantized"  # int8-stored weights with float zero points (see compression_format)
+SUPPORTED_FORMATS = (INT, PACKED, NAIVE)
+ZP_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 # parameter names only a quantized linear has (a dense module holding one is stored quantized)
 QUANTIZED_PARAMS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 LINEAR = nn.Linear(1, 1, device="meta")  # stands for a checkpoint linear when matching class-name targets
 
 
 def compression_format(weights: QuantizationArgs, input_activations: QuantizationArgs | None) -> str:
-    """The on-disk format compressed-tensors itself picks for a scheme (int-quantized / pack-quantized)."""
+    """The on-disk format compressed-tensors itself picks for a scheme (int-quantized / pack-quantized), or
+    naive-quantized for float zero points, which the packed format cannot hold."""
+    if qmath.float_zero_point(weights):
+        return NAIVE
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=input_activations)
     return infer_module_format(nn.Linear, scheme).value
 
@@ -85,6 +93,8 @@ def compress_linear(
     if ql.zero_point is not None:
         state["weight_zero_point"] = ql.zero_point
     out = dict(compressor.compress(state, scheme))
+    if qmath.float_zero_point(weights) and not torch.equal(out["weight"], ql.q):
+        raise AscqError("compressed-tensors re-quantized a float-zero-point weight to other values")
     if ql.input_scale is not None:
         out["input_scale"] = ql.input_scale
     if bias is not None:
@@ -100,8 +110,9 @@ def is_quantized(params: Iterable[str]) -> bool:
 def decompress_linear(tensors: dict[str, torch.Tensor], num_bits: int) -> dict[str, torch.Tensor]:
     """A quantized linear's stored tensors (local names) in the signed-int convention.
 
-    Returns `weight` (int8 values [out, in]), `weight_scale`, `zero_point` (int8, the scale's shape; only when
-    asymmetric) and every other tensor (`input_scale`, `input_zero_point`, `bias`) unchanged.
+    Returns `weight` (int8 values [out, in]), `weight_scale`, `zero_point` (the scale's shape; int8, or the stored
+    float dtype for float zero points; only when asymmetric) and every other tensor (`input_scale`,
+    `input_zero_point`, `bias`) unchanged.
     """
     rest = dict(tensors)
     scale = rest["weight_scale"]
@@ -119,7 +130,8 @@ def decompress_linear(tensors: dict[str, torch.Tensor], num_bits: int) -> dict[s
         raise AscqError("a quantized linear has neither weight nor weight_packed")
     rest["weight"] = rest["weight"].to(torch.int8)
     if zero_point is not None:
-        rest["zero_point"] = zero_point.to(torch.int8).reshape(scale.shape)
+        zero_point = zero_point if zero_point.is_floating_point() else zero_point.to(torch.int8)
+        rest["zero_point"] = zero_point.reshape(scale.shape)
     return rest
 
 
@@ -149,7 +161,9 @@ def linear_tensor_specs(
     else:
         specs["weight"] = ("I8", (out_features, in_features))
     specs["weight_scale"] = (scale_dtype, scale_shape)
-    if not weights.symmetric:
+    if qmath.float_zero_point(weights):
+        specs["weight_zero_point"] = (ZP_SAFETENSORS_DTYPES[weights.zp_dtype], scale_shape)
+    elif not weights.symmetric:
         zp_rows = math.ceil(scale_shape[0] * bits / 32) if fmt == PACKED else scale_shape[0]
         specs["weight_zero_point"] = ("I32" if fmt == PACKED else "I8", (zp_rows, *scale_shape[1:]))
     if input_activations is not None and not input_activations.dynamic:

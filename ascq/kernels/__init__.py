@@ -28,6 +28,7 @@ from ascq.errors import AscqError, UnsupportedError
 SCHEMES = ("dense", "w8a8_dynamic", "w8a8_static", "w4a16", "w8a16", "w4a8_dynamic")
 WEIGHT_BITS = {"w8a8_dynamic": 8, "w8a8_static": 8, "w4a16": 4, "w8a16": 8, "w4a8_dynamic": 4}
 BACKENDS = ("reference", "cpu", "cuda", "npu")
+FLOAT_ZERO_POINT_SCHEMES = ("w4a16", "w8a16")  # weight-only: every backend dequantizes (q - zero) * scale in float
 
 
 @dataclass
@@ -36,7 +37,8 @@ class QuantLinearWeights:
 
     dense: `weight` is float [out, in]. Quantized: `weight` holds signed integer values [out, in] (int8 tensor;
     int4 values in [-8, 7]), `weight_scale` is [out, 1] (per channel) or [out, in // group_size] (per group),
-    `zero_point` the same shape (signed) or None (symmetric); w = (q - zero_point) * scale.
+    `zero_point` the same shape (signed int8, or float for weight-only schemes: zp_dtype) or None (symmetric);
+    w = (q - zero_point) * scale.
     w8a8_static: `input_scale` (one value) and optional `input_zero_point` quantize activations to int8 as
     clamp(round(x / input_scale) + input_zero_point). Activations of `*_dynamic` are int8 per token, symmetric.
     """
@@ -91,6 +93,9 @@ class QuantLinearWeights:
         zero = self.zero_point
         if zero is not None and zero.shape != self.weight_scale.shape:
             raise AscqError(f"zero_point shape {tuple(zero.shape)} != weight_scale shape")
+        if zero is not None and zero.is_floating_point() and self.scheme not in FLOAT_ZERO_POINT_SCHEMES:
+            raise UnsupportedError(f"{self.scheme}: float weight zero points are supported for "
+                                   f"{' and '.join(FLOAT_ZERO_POINT_SCHEMES)} only (integer activations need integer ones)")
         if self.scheme == "w8a8_static" and (self.input_scale is None or self.input_scale.numel() != 1):
             raise AscqError("w8a8_static needs a single-valued input_scale")
         if self.input_zero_point is not None and self.scheme != "w8a8_static":

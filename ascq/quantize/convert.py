@@ -20,11 +20,12 @@ from ascq.quantize.architectures import load_architecture
 from ascq.quantize.calibration import CalibrationSet, hub_reachable, load_calibration
 from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
 from ascq.quantize.pipeline import EVAL_SEQ_LEN, StreamResult, stream_convert
-from ascq.quantize.qmath import source_block_size
+from ascq.quantize.qmath import source_block_size, source_has_float_min
 from ascq.quantize.recipe import ComposedRecipe, load_recipes
 from ascq.zoo.manifest import (
     MANIFEST_NAME,
     check_output,
+    group_size_fit_text,
     new_manifest,
     read_manifest,
     sigterm_raises,
@@ -156,7 +157,7 @@ def _convert(options: ConvertOptions) -> Path:
         writer = _writer(options, staging, reader, arch.config)
         result = stream_convert(
             reader, arch, recipe, calib.input_ids, staging, device, options.max_shard_bytes, eval_ids, options.progress,
-            writer, source_block_size(source),
+            writer, source_block_size(source), source_has_float_min(source),
         )
         if options.format == "msmodelslim":
             writer.write_config(staging, arch.config)
@@ -270,10 +271,7 @@ def format_summary(entry: Path) -> str:
     if metrics.get("perplexity"):
         delta = 100 * (metrics["perplexity"] / metrics["perplexity_base"] - 1)
         lines.append(f"perplexity {metrics['perplexity_base']:.3f} -> {metrics['perplexity']:.3f} ({delta:+.2f}%)")
-    for fit in (f for f in conv.get("group_size_fits", []) if f["group_size"]):
-        why = (f"the source's GGUF blocks of {fit['source_block_size']} columns"
-               if fit.get("source_block_size") == fit["group_size"] else f"input widths {', '.join(map(str, fit['in_features']))}")
-        lines.append(f"group size {fit['group_size']} instead of the recipe's {fit['recipe_group_size']} ({why})")
+    lines += [group_size_fit_text(fit) for fit in conv.get("group_size_fits", []) if fit["group_size"]]
     if conv["group_size_fallbacks"]:
         lines.append(f"{len(conv['group_size_fallbacks'])} linears fell back to per-channel (see ascq.json)")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 
 from ascq.quantize import qmath
-from ascq.quantize.gptq import CholeskyError, GPTQConfig, HessianAccumulator, gptq_quantize
+from ascq.quantize.gptq import CholeskyError, GPTQConfig, GramCache, HessianAccumulator, gptq_quantize
 from ascq.quantize.input_capture import InputCapture
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
@@ -35,6 +35,7 @@ ARGS = {
     "dampening_frac": (float, int),
     "actorder": (str, bool),
     "min_expert_tokens": int,
+    "zp_dtype": str,
 }
 # "static" (a.k.a. "weight") keeps contiguous groups; "group"/"dynamic" would need a g_idx in the checkpoint
 ACTORDER = {None: False, False: False, "static": True, "weight": True}
@@ -82,6 +83,7 @@ class GPTQModifier(Modifier):
                 block_size=self.block_size,
                 dampening_frac=self.dampening_frac,
                 actorder=self.actorder,
+                float_zero_point=args is not None and qmath.float_zero_point(args),
             )
         except ValueError as exc:
             raise RecipeError(f"{self.name}: {exc}") from None
@@ -91,7 +93,8 @@ class GPTQModifier(Modifier):
         owned = [n for n, t in ctx.targets.items() if t.owner is self.scheme and n not in ctx.results]
         if not owned:
             return
-        hessians = {n: HessianAccumulator(ctx.module(n).weight.shape[1]) for n in owned}
+        cache = GramCache()  # linears reading the same input share its x xᵀ
+        hessians = {n: HessianAccumulator(ctx.module(n).weight.shape[1], cache) for n in owned}
         experts = ctx.arch.expert_names(ctx.layer)
         capture = ["mlp"] if experts else []
         with InputCapture(ctx.layer, [*owned, *capture], {n: h.add for n, h in hessians.items()}) as cap:
@@ -129,7 +132,7 @@ class GPTQModifier(Modifier):
             q, scale, zero_point = qmath.quantize_weight(weight, args, ctx.scale_dtype)
             return QuantizedLinear(q, scale, zero_point)
         scale = scale.to(ctx.scale_dtype)
-        zero_point = None if args.symmetric else zero.to(torch.int8)
+        zero_point = None if args.symmetric else zero.to(qmath.zero_point_dtype(args) or torch.int8)
         q = qmath.quantize_with_qparams(deq, scale, zero_point, args)
         return QuantizedLinear(q, scale, zero_point)
 
@@ -145,7 +148,8 @@ def _qparams(args: QuantizationArgs, scale_dtype: torch.dtype):
     """Per-row (scale, zero) of a weight slice, rounded to the checkpoint's scale dtype as the writer will."""
 
     def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale, zero = qmath.compute_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args.num_bits, args.symmetric, scale_dtype)
+        scale, zero = qmath.compute_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args.num_bits, args.symmetric,
+                                            scale_dtype, qmath.zero_point_dtype(args))
         return scale.float(), zero.float()
 
     return qparams

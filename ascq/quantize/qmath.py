@@ -5,6 +5,12 @@ Signed integers (int4 in [-8, 7], int8 in [-128, 127]), `q = clamp(round(x / sca
 representable; symmetric `scale = absmax / ((qmax - qmin) / 2)`, asymmetric `scale = (max - min) / (qmax - qmin)`,
 `zero_point = round(qmin - min / scale)`), then rounded to the checkpoint's scale dtype before use, so the values
 written are exactly the values the chosen scale produces.
+
+Float zero points (compressed-tensors' `QuantizationArgs.zp_dtype` a float dtype, `float_zero_point`): the same
+asymmetric min-max scale, rounded to the scale dtype first, then `zero_point = qmin - min / scale` without rounding,
+stored in `zp_dtype`; q stays an integer and `x ≈ (q - zero_point) * scale`. That is a grid with a float minimum,
+GGUF's Q4_1 / Q5_1 / K-quant form `d·k + m`, which an integer zero point can only approximate (see
+`GGUF_FLOAT_MIN_TYPES`).
 """
 
 from __future__ import annotations
@@ -21,14 +27,26 @@ def int_range(num_bits: int) -> tuple[int, int]:
     return -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
 
 
+def float_zero_point(args: QuantizationArgs) -> bool:
+    """Whether an int scheme's zero points are floats (`zp_dtype` a float dtype; asymmetric only)."""
+    return args.type == "int" and not args.symmetric and args.zp_dtype is not None and args.zp_dtype.is_floating_point
+
+
+def zero_point_dtype(args: QuantizationArgs) -> torch.dtype | None:
+    """The dtype `compute_qparams` gives zero points of `args`: its float `zp_dtype`, else None (int8, rounded)."""
+    return args.zp_dtype if float_zero_point(args) else None
+
+
 def compute_qparams(
     min_vals: torch.Tensor,
     max_vals: torch.Tensor,
     num_bits: int,
     symmetric: bool,
     scale_dtype: torch.dtype = torch.float32,
+    zp_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale in `scale_dtype`, zero_point int8) of the same shape as `min_vals`."""
+    """(scale in `scale_dtype`, zero_point) of the same shape as `min_vals`; zero_point is int8 (rounded), or, with
+    a float `zp_dtype` (asymmetric), `qmin - min / scale` of the rounded scale, unrounded, in `zp_dtype`."""
     qmin, qmax = int_range(num_bits)
     min_vals = torch.clamp(min_vals.float(), max=0.0)
     max_vals = torch.clamp(max_vals.float(), min=0.0)
@@ -40,6 +58,9 @@ def compute_qparams(
         zero_point = torch.clamp(qmin - min_vals / scale, qmin, qmax)
     scale = scale.to(scale_dtype)
     scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
+    if zp_dtype is not None and not symmetric:  # from the scale as written: the grid's minimum maps exactly
+        zero_point = torch.clamp(qmin - min_vals / scale.float(), qmin, qmax)
+        return scale, torch.nan_to_num(zero_point).to(zp_dtype)
     zero_point = torch.round(torch.nan_to_num(zero_point)).to(torch.int8)
     return scale, zero_point
 
@@ -91,12 +112,24 @@ def fitted_group_size(group_size: int, in_features: Iterable[int]) -> int | None
 # re-quantized with groups on the source blocks. Measured on SmolLM2 (Q4_1): see README "Group size".
 GGUF_BLOCK_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
                     "Q2_K": 16, "Q3_K": 16, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}  # fmt: skip
+# ... of which these give every block a float minimum besides its scale (ggml's `d·k + m`: Q4_1 / Q5_1 `m`, the
+# K-quants' `dmin·min`); Q4_0 / Q5_0 / Q8_0 / Q3_K / Q6_K are `d·(k - 2^(b-1))`, which an integer zero point holds.
+GGUF_FLOAT_MIN_TYPES = frozenset({"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"})
+
+
+def _gguf_type(source_manifest: dict | None) -> str:
+    gguf = ((source_manifest or {}).get("source") or {}).get("gguf") or {}
+    return str(gguf.get("quantization_type", "")).upper()
 
 
 def source_block_size(source_manifest: dict | None) -> int | None:
     """The quantization block length of the checkpoint a source zoo entry was imported from (None: not blocked)."""
-    gguf = ((source_manifest or {}).get("source") or {}).get("gguf") or {}
-    return GGUF_BLOCK_SIZES.get(str(gguf.get("quantization_type", "")).upper())
+    return GGUF_BLOCK_SIZES.get(_gguf_type(source_manifest))
+
+
+def source_has_float_min(source_manifest: dict | None) -> bool:
+    """Whether the checkpoint a source zoo entry was imported from has a float minimum per block (Q4_1, ...)."""
+    return _gguf_type(source_manifest) in GGUF_FLOAT_MIN_TYPES
 
 
 def block_aligned_group_size(group_size: int, in_features: Iterable[int], block_size: int | None) -> int | None:
@@ -135,7 +168,9 @@ def from_groups(grouped: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 def weight_qparams(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Min-max (scale, zero_point) of a weight: shape [1], [out, 1] or [out, in // group_size]."""
     grouped = to_groups(w.float(), str(args.strategy), args.group_size)
-    scale, zero_point = compute_qparams(grouped.amin(-1), grouped.amax(-1), args.num_bits, args.symmetric, scale_dtype)
+    scale, zero_point = compute_qparams(
+        grouped.amin(-1), grouped.amax(-1), args.num_bits, args.symmetric, scale_dtype, zero_point_dtype(args)
+    )
     if args.strategy == "tensor":
         return scale.reshape(1), zero_point.reshape(1)
     return scale, zero_point

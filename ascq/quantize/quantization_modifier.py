@@ -16,7 +16,7 @@ from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
 from ascq.quantize.schemes import RecipeError, RecipeScheme, parse_recipe_scheme
 
-ARGS = {"targets": list, "ignore": list, "scheme": str, "config_groups": dict, "kv_cache_scheme": dict}
+ARGS = {"targets": list, "ignore": list, "scheme": str, "config_groups": dict, "kv_cache_scheme": dict, "zp_dtype": str}
 
 
 class QuantizationModifier(Modifier):

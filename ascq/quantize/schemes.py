@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 from pydantic import ValidationError
@@ -18,7 +19,8 @@ from torch import nn
 
 from ascq.errors import AscqError, UnsupportedError
 from ascq.formats import compressed_tensors as ct
-from ascq.quantize.qmath import block_aligned_group_size
+from ascq.quantize.qmath import block_aligned_group_size, float_zero_point
+from ascq.zoo.manifest import group_size_fit_text
 
 DEFAULT_TARGETS = ["Linear"]
 # lm_head and embeddings stay full precision, as does the MoE router (its logits pick the experts).
@@ -28,6 +30,12 @@ DEFAULT_IGNORE = ["lm_head", "re:.*mlp\\.gate$"]
 # checkpoint has no lm_head tensor, and an `ignore` without it made transformers quantize the head (perplexity inf).
 ALWAYS_IGNORE = ["lm_head", "model.embed_tokens", "re:.*mlp\\.gate$"]
 SUPPORTED_PRESETS = ("W8A8", "W4A16", "W4A16_ASYM", "W8A16", "W4A8")
+# A modifier's `zp_dtype` (compressed-tensors' `QuantizationArgs.zp_dtype`, for every group it declares; a config
+# group's `weights.zp_dtype` sets one group's): `auto` lets the planner choose (`fit_group_sizes`: float for a source
+# with float block minima at its own block size, else int); `int` keeps integer zero points (what vLLM's int4
+# kernels and compressed-tensors' packed format take); a float dtype stores unrounded zero points.
+ZP_DTYPES = {"auto": None, "int": torch.int8, "int8": torch.int8, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "float32": torch.float32}  # fmt: skip
 
 
 class RecipeError(AscqError):
@@ -70,6 +78,8 @@ def _check_supported(owner: str, group: str, scheme: QuantizationScheme) -> None
         raise UnsupportedError(f"{owner}: {group}: weights must be int4 or int8 with strategy channel, group or tensor")
     if w.dynamic:
         raise UnsupportedError(f"{owner}: {group}: dynamic weight quantization is not supported")
+    if "zp_dtype" in w.model_fields_set:
+        _check_zp_dtype(owner, group, scheme)
     if a is None:
         return
     dynamic_token = a.dynamic is True and a.strategy == "token"
@@ -78,6 +88,38 @@ def _check_supported(owner: str, group: str, scheme: QuantizationScheme) -> None
         raise UnsupportedError(
             f"{owner}: {group}: input activations must be int8 symmetric, dynamic per-token or static per-tensor"
         )
+
+
+def _check_zp_dtype(owner: str, group: str, scheme: QuantizationScheme) -> None:
+    w = scheme.weights
+    if w.zp_dtype not in ZP_DTYPES.values():
+        raise UnsupportedError(f"{owner}: {group}: zp_dtype {_dtype_name(w.zp_dtype)} is not supported; use one of "
+                               f"{', '.join(ZP_DTYPES)}")
+    if not w.zp_dtype.is_floating_point:
+        return
+    if w.symmetric:
+        raise UnsupportedError(f"{owner}: {group}: zp_dtype {_dtype_name(w.zp_dtype)} needs asymmetric weights "
+                               "(symmetric: false, e.g. scheme W4A16_ASYM); symmetric weights have no zero point")
+    if scheme.input_activations is not None or w.strategy != "group":
+        raise UnsupportedError(f"{owner}: {group}: float zero points (zp_dtype {_dtype_name(w.zp_dtype)}) are "
+                               "supported for weight-only group schemes (W4A16_ASYM) only")
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _with_zp_dtype(owner: str, groups: dict[str, QuantizationScheme], value: Any) -> None:
+    """Apply a modifier's `zp_dtype` argument to every config group it declares, in place."""
+    if value not in ZP_DTYPES:
+        raise RecipeError(f"{owner}: zp_dtype {value!r} is not supported; use one of {', '.join(ZP_DTYPES)}")
+    if ZP_DTYPES[value] is None:
+        return
+    for group, scheme in groups.items():
+        if "zp_dtype" in scheme.weights.model_fields_set:
+            raise RecipeError(f"{owner}: give zp_dtype either as the modifier's argument or in config_groups.{group}.weights, not both")
+        weights = scheme.weights.model_copy(update={"zp_dtype": ZP_DTYPES[value]})
+        groups[group] = scheme.model_copy(update={"weights": weights})
 
 
 def _kv_args(owner: str, value: Any) -> QuantizationArgs:
@@ -118,6 +160,10 @@ def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None
             if spec.get("input_activations") is not None
             else None,
         )
+    if args.get("zp_dtype") is not None:
+        if not groups:
+            raise RecipeError(f"{owner}: zp_dtype needs a scheme or config_groups")
+        _with_zp_dtype(owner, groups, args["zp_dtype"])
     for group, scheme in groups.items():
         _check_supported(owner, group, scheme)
     kv = _kv_args(owner, args["kv_cache_scheme"]) if args.get("kv_cache_scheme") is not None else None
@@ -148,7 +194,8 @@ def resolve_target(name: str, module: nn.Module, schemes: list[RecipeScheme]) ->
 
 @dataclasses.dataclass(frozen=True)
 class GroupSizeFit:
-    """A config group whose recipe group size does not divide every linear it quantizes (`qmath.fitted_group_size`)."""
+    """A config group whose recipe group size does not divide every linear it quantizes (`qmath.fitted_group_size`),
+    or follows the source's quantization blocks, or whose zero points are floats (`zp_dtype`)."""
 
     modifier: str
     group: str
@@ -156,29 +203,37 @@ class GroupSizeFit:
     group_size: int | None  # what the checkpoint uses; None: per channel where the recipe's does not divide
     in_features: tuple[int, ...]  # the input widths of the group's linears
     source_block_size: int | None = None  # the source checkpoint's quantization block (GGUF), if any
+    zp_dtype: str | None = None  # float zero points' dtype ("bfloat16"); None: integer zero points
+    zp_dtype_from: str | None = None  # "source" (planner: float block minima) or "recipe" (the recipe's zp_dtype)
 
     def message(self) -> str:
-        widths = ", ".join(str(w) for w in self.in_features)
-        if self.source_block_size is not None and self.group_size == self.source_block_size:
-            return (f"{self.modifier} {self.group}: the source was quantized in blocks of {self.source_block_size} "
-                    f"columns (GGUF): using group_size {self.group_size} instead of {self.recipe_group_size}")
-        if self.group_size is None:
-            return (f"{self.modifier} {self.group}: group_size {self.recipe_group_size} does not divide every input "
-                    f"width ({widths}) and no power of two >= 32 does: linears it does not divide are per-channel")
-        return (f"{self.modifier} {self.group}: group_size {self.recipe_group_size} does not divide every input width "
-                f"({widths}): using group_size {self.group_size}")
+        return f"{self.modifier} {self.group}: {group_size_fit_text(self.record())}"
 
     def record(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"in_features": list(self.in_features)}
 
 
+def _planned_zp_dtype(
+    weights: QuantizationArgs, activations: QuantizationArgs | None, group_size: int | None,
+    source_block_size: int | None, source_float_min: bool, scale_dtype: torch.dtype,
+) -> torch.dtype | None:
+    """The float zero-point dtype the planner picks for a group whose recipe leaves zp_dtype to it (None: int):
+    the checkpoint's scale dtype when the source's blocks have float minima and the group is one source block, the
+    only case where it keeps the source's grid exactly (an int zero point moves every block by up to half a step)."""
+    if not source_float_min or weights.symmetric or activations is not None or weights.type != "int":
+        return None
+    return scale_dtype if group_size is not None and group_size == source_block_size else None
+
+
 def fit_group_sizes(
-    schemes: list[RecipeScheme], linears: Iterable[tuple[str, nn.Module]], source_block_size: int | None = None
+    schemes: list[RecipeScheme], linears: Iterable[tuple[str, nn.Module]], source_block_size: int | None = None,
+    source_float_min: bool = False, scale_dtype: torch.dtype = torch.bfloat16,
 ) -> list[GroupSizeFit]:
     """Give every grouped config group the one group size `qmath.block_aligned_group_size` picks over the linears
-    (full name, module) it quantizes and the source's quantization block (`qmath.source_block_size`), in place,
-    before any layer is converted: quantizers, the writer and `quantization_config` then all read it from the
-    scheme. Returns the groups whose group size changed."""
+    (full name, module) it quantizes and the source's quantization block (`qmath.source_block_size`), and its zero
+    points' dtype (`_planned_zp_dtype`, unless the recipe sets zp_dtype), in place, before any layer is converted:
+    quantizers, the writer and `quantization_config` then all read them from the scheme. Returns the groups whose
+    group size changed or whose zero points are floats."""
     owners = {id(g): (rs, key) for rs in schemes for key, g in rs.config_groups.items()}
     widths: dict[int, set[int]] = {}
     for name, module in linears:
@@ -191,11 +246,23 @@ def fit_group_sizes(
         scheme = recipe_scheme.config_groups[key]
         recipe_size = int(scheme.weights.group_size)
         fitted = block_aligned_group_size(recipe_size, seen, source_block_size)
-        if fitted == recipe_size:
+        update: dict[str, Any] = {} if fitted in (None, recipe_size) else {"group_size": fitted}
+        zp_from = "recipe" if float_zero_point(scheme.weights) else None
+        if "zp_dtype" not in scheme.weights.model_fields_set:
+            planned = _planned_zp_dtype(scheme.weights, scheme.input_activations, fitted, source_block_size,
+                                        source_float_min, scale_dtype)
+            if planned is not None:
+                update["zp_dtype"], zp_from = planned, "source"
+        if fitted is None and zp_from is not None:
+            raise UnsupportedError(f"{recipe_scheme.owner} {key}: float zero points need a group size that divides "
+                                   f"every input width ({', '.join(map(str, sorted(seen)))})")
+        if fitted == recipe_size and zp_from is None:
             continue
-        fits.append(GroupSizeFit(recipe_scheme.owner, key, recipe_size, fitted, tuple(sorted(seen)), source_block_size))
-        if fitted is not None:
-            weights = scheme.weights.model_copy(update={"group_size": fitted})
+        weights = scheme.weights.model_copy(update=update)
+        zp_name = _dtype_name(weights.zp_dtype) if zp_from else None
+        fits.append(GroupSizeFit(recipe_scheme.owner, key, recipe_size, fitted, tuple(sorted(seen)), source_block_size,
+                                 zp_name, zp_from))
+        if update:
             recipe_scheme.config_groups[key] = scheme.model_copy(update={"weights": weights})
     return fits
 

@@ -14,7 +14,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from ascq.atomic_file import atomic_write
 from ascq.paths import RECIPES_DIR, zoo_root
-from ascq.zoo.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from ascq.zoo.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest, sha256_file
 
 CARD_NAME = "README.md"
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -149,20 +149,13 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
         text = f"weights int{w.get('num_bits')} {w.get('strategy')}"
         text += f" {w['group_size']}" if w.get("group_size") else ""
         text += ", symmetric" if w.get("symmetric", True) else ", asymmetric"
+        if str(w.get("zp_dtype", "")).removeprefix("torch.") in ("bfloat16", "float16", "float32"):
+            text += f", {str(w['zp_dtype']).removeprefix('torch.')} zero points"
         if a:
             text += f"; activations int{a.get('num_bits')} {'dynamic' if a.get('dynamic') else 'static'} {a.get('strategy')}"
         groups.append(text)
     ignore = ", ".join(f"`{i}`" for i in qc.get("ignore") or []) or "none"
-    fits = "".join(
-        f"; group size {fit['group_size']} instead of the recipe's {fit['recipe_group_size']}: the source checkpoint "
-        f"was quantized in blocks of {fit['source_block_size']} columns (GGUF), which 4-bit groups spanning two "
-        "blocks cannot represent"
-        if fit.get("source_block_size") and fit["group_size"] == fit["source_block_size"] else
-        f"; the recipe's group size {fit['recipe_group_size']} does not divide every input width "
-        f"({', '.join(map(str, fit['in_features']))}): "
-        + (f"group size {fit['group_size']}" if fit["group_size"] else "per-channel where it does not divide")
-        for fit in (manifest.get("conversion") or {}).get("group_size_fits", [])
-    )
+    fits = "".join(f"; {group_size_fit_text(fit)}" for fit in (manifest.get("conversion") or {}).get("group_size_fits", []))
     return f"compressed-tensors `{qc.get('format')}` ({'; '.join(groups)}); not quantized: {ignore}{fits}"
 
 

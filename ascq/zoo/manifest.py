@@ -288,3 +288,28 @@ def _exchange(a: Path, b: Path) -> bool:
         return False
     at_fdcwd, rename_exchange = -100, 2
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def group_size_fit_text(fit: dict[str, Any]) -> str:
+    """What a config group's group size became and why, and why its zero points are floats if they are, from its
+    manifest record (`GroupSizeFit.record`): the one text the convert log, the convert summary and the model card
+    show."""
+    texts = [zero_point_text(fit)] if fit.get("zp_dtype") else []
+    if fit["group_size"] == fit["recipe_group_size"]:  # recorded for its zero points only
+        return "; ".join(texts)
+    if fit.get("source_block_size") and fit["group_size"] == fit["source_block_size"]:
+        why = (f"the source checkpoint was quantized in GGUF blocks of {fit['source_block_size']} columns, which "
+               "4-bit groups spanning two blocks cannot represent")
+    else:
+        why = f"it does not divide every input width ({', '.join(map(str, fit['in_features']))})"
+    result = f"group size {fit['group_size']}" if fit["group_size"] else "per-channel where it does not divide"
+    return "; ".join([f"{result} instead of the recipe's {fit['recipe_group_size']}: {why}", *texts])
+
+
+def zero_point_text(fit: dict[str, Any]) -> str:
+    """Why a config group's zero points are floats (`zp_dtype`) and who can load them, from its fit record."""
+    why = (f"the source's GGUF blocks of {fit['source_block_size']} columns each have a float minimum, which an "
+           "integer zero point cannot represent" if fit.get("zp_dtype_from") == "source" else "the recipe's zp_dtype")
+    return (f"{fit['zp_dtype']} zero points ({why}); stored unpacked (compressed-tensors naive-quantized, int8 "
+            "weights): transformers and ascq load it, vLLM's int4 kernels cannot (set zp_dtype: int for a "
+            "pack-quantized checkpoint they can)")

@@ -88,16 +88,33 @@ def _linear_bytes(scheme: WeightScheme, out_features: int, in_features: int) -> 
     return ct.linear_bytes(scheme.weight_args(), scheme.activation_args(), out_features, in_features)
 
 
-# The converters' recipes (recipes/*.yaml) and how each stores its weights (compressed-tensors picks the format).
-RECIPE_SCHEMES: dict[str, WeightScheme] = {
-    "awq-int4": WeightScheme("w4a16", 4, 128, symmetric=False),
-    "w4a16-gptq": WeightScheme("w4a16", 4, 128, symmetric=False),
-    "w4a16-rtn": WeightScheme("w4a16", 4, 128, symmetric=False),
-    "w4a8-dynamic": WeightScheme("w4a8_dynamic", 4, None, symmetric=True),
-    "w8a16": WeightScheme("w8a16", 8, None, symmetric=True),
-    "w8a8": WeightScheme("w8a8_dynamic", 8, None, symmetric=True),
-    "w8a8-static": WeightScheme("w8a8_static", 8, None, symmetric=True, static_input_scale=True),
-}
+@functools.cache
+def _stored_scheme(recipe: str) -> WeightScheme | None:
+    """How shipped recipe `recipe` (recipes/*.yaml) stores its linears, read from its own config group; None when it
+    quantizes no weights (fp8-kv)."""
+    from ascq.quantize.recipe import load_recipe  # the converters' modules, only when asked
+
+    schemes = [m.quant_scheme() for m in load_recipe(recipe).modifiers]
+    groups = [g for s in schemes if s is not None for g in s.config_groups.values()]
+    if not groups:
+        return None
+    weights, activations = groups[0].weights, groups[0].input_activations
+    return WeightScheme(
+        ct.scheme_name(weights, activations), weights.num_bits,
+        weights.group_size if weights.strategy == "group" else None, weights.symmetric,
+        static_input_scale=activations is not None and not activations.dynamic,
+    )
+
+
+def shipped_recipe_scheme(recipe: str) -> WeightScheme:
+    """The stored scheme of a shipped weight recipe; any other name is refused in one line."""
+    from ascq.quantize.recipe import available_recipes
+
+    scheme = _stored_scheme(recipe) if recipe in available_recipes() else None
+    if scheme is None:
+        known = sorted(name for name in available_recipes() if _stored_scheme(name))
+        raise AscqError(f"unknown weight recipe '{recipe}'; known: {', '.join(known)}")
+    return scheme
 
 
 def num_parameters(config: dict[str, Any], tensors: Sequence[tuple[str, Shape]] | None = None) -> int:
@@ -113,11 +130,9 @@ def recipe_scheme(config: dict[str, Any], recipe: str | None,
                   tensors: Sequence[tuple[str, Shape]] | None = None) -> WeightScheme | None:
     """How `recipe` stores this model's linears, its group size fitted to their input widths as the converter fits
     it (None: the bf16 original)."""
-    scheme = RECIPE_SCHEMES.get(recipe) if recipe else None
-    if recipe and scheme is None:
-        raise AscqError(f"unknown recipe '{recipe}'; known: {', '.join(sorted(RECIPE_SCHEMES))}")
-    if scheme is None:
+    if not recipe:
         return None
+    scheme = shipped_recipe_scheme(recipe)
     return scheme.fitted(sorted({shape[1] for name, shape in tensors or checkpoint_tensors(config) if _is_quantized(name, shape)}))
 
 
@@ -155,7 +170,7 @@ def plan(config: dict[str, Any], recipes: list[str], num_seqs_options: tuple[int
     for recipe in [None, *recipes]:
         weights = checkpoint_bytes(config, recipe, tensors)
         rows[recipe or "bf16"] = {
-            "scheme": RECIPE_SCHEMES[recipe].scheme if recipe else "dense",
+            "scheme": shipped_recipe_scheme(recipe).scheme if recipe else "dense",
             "checkpoint_bytes": weights,
             "serve_memory": {f"{n}x{config['max_position_embeddings']}_tokens": serving_memory(config, weights, n)
                              for n in num_seqs_options},

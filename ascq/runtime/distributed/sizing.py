@@ -38,7 +38,7 @@ def per_rank_memory(config: dict[str, Any], tp: int, pp: int = 1, recipe: str | 
                     expert_parallel: bool = False, kv_bytes: int = BF16_BYTES, pp_rank: int = 0,
                     tp_rank: int = 0) -> dict[str, int]:
     """{"weight_bytes", "kv_bytes_per_token"} of rank (pp_rank, tp_rank); `recipe`: a recipe name of
-    ascq.zoo.planned.RECIPE_SCHEMES, None for the bf16 original."""
+    ascq.zoo.planned.shipped_recipe_scheme, None for the bf16 original."""
     scheme = recipe_scheme(config, recipe)
     layers = set(stage_layers(config["num_hidden_layers"], pp, pp_rank))
     experts_per_rank = divide(config.get("n_routed_experts") or tp, tp) if expert_parallel else None

@@ -36,7 +36,7 @@ def build_quant_weights(params: dict[str, torch.Tensor], scheme: str) -> QuantLi
         scheme=scheme,
         weight=weight.to(torch.int8),
         weight_scale=scale,
-        zero_point=None if zero is None else zero.reshape(scale.shape).to(torch.int8),
+        zero_point=None if zero is None else zero.reshape(scale.shape).to(zero.dtype if zero.is_floating_point() else torch.int8),
         group_size=weight.shape[1] // num_groups if num_groups > 1 else None,
         input_scale=params.get("input_scale"),
         input_zero_point=params.get("input_zero_point"),
