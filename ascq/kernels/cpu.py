@@ -70,7 +70,8 @@ class NativeWeights:
     packed: torch.Tensor  # pack_w4 uint8 (4 bits) or the int8 weight (8 bits)
     group_size: int
     scales: torch.Tensor  # [out, in // group_size]: bf16 where that holds them exactly (fewer bytes per step), else fp32
-    zeros: torch.Tensor | None  # int8 zero points [out, groups]; None: symmetric
+    zeros: torch.Tensor | None  # [out, groups]: int8 zero points, or (float zero points) fp32 zero point + 8 at 4 bits;
+    # None: symmetric
 
 
 @dataclass
@@ -158,7 +159,13 @@ def _prepare_int4pack(p: CpuLinear) -> None:
 def _prepare_native(p: CpuLinear) -> None:
     bits, group_size = p.weights.num_bits, _native_group_size(p.weights)
     repeats = p.weights.in_features // group_size // p.scale.shape[1]
-    zeros = None if p.zero is None else p.zero.repeat_interleave(repeats, 1).to(torch.int8).contiguous()
+    zeros = None
+    if p.zero is not None:
+        zeros = p.zero.repeat_interleave(repeats, 1).contiguous()
+        if torch.equal(zeros, zeros.round()) and zeros.abs().max() <= 127:  # integer zero points: 1 byte each
+            zeros = zeros.to(torch.int8)
+        else:  # float zero points: fp32 zu (zero point + 8 at 4 bits)
+            zeros = zeros + (8 if bits == 4 else 0)
     scales = p.scale.repeat_interleave(repeats, 1) if repeats > 1 else p.scale.contiguous()
     if torch.equal(scales.bfloat16().float(), scales):  # e.g. a checkpoint's bf16 scales: the same values, half the bytes
         scales = scales.bfloat16()

@@ -82,8 +82,8 @@ def _linear_struct(linear: LinearBase) -> tuple[_Linear, int]:
         n, k = p.weight.shape
         return _Linear(0, n, k, 0, 0, 0, p.weight.data_ptr(), None, None, bias), cpu.DENSE_BF16_MAX_M - 1
     w = p.packed
-    scales_bf16, zeros_int8 = int(w.scales.dtype == torch.bfloat16), int(w.zeros is not None)
-    assert w.zeros is None or w.zeros.dtype == torch.int8
+    scales_bf16 = int(w.scales.dtype == torch.bfloat16)
+    zeros_int8 = int(w.zeros is not None and w.zeros.dtype == torch.int8)
     return (_Linear(p.weights.num_bits, p.out_features, p.weights.in_features, w.group_size, scales_bf16, zeros_int8,
                     w.packed.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), bias), cpu.NATIVE_MAX_M - 1)
 
