@@ -116,8 +116,9 @@ def llama_batched_tps(server: LlamaServer, requests: list[tuple[list[int], int]]
     return num_tokens / (time.perf_counter() - start)
 
 
-def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True):
-    """`fused` False: the eager per-layer decode path (runtime/fused_decode.py off), for before/after in one run."""
+def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True, lm_head_int8: bool = False):
+    """`fused` False: the eager per-layer decode path (runtime/fused_decode.py off), for before/after in one run;
+    `lm_head_int8`: the opt-in int8 LM head (ASCQ_LM_HEAD_QUANT=int8; other logits than the checkpoint's)."""
     from ascq import LLM
     from ascq.runtime import fused_decode
 
@@ -125,6 +126,8 @@ def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True):
     llm = LLM(path, dtype=dtype or "auto", max_num_seqs=max_num_seqs, kv_cache_memory=1 << 30)
     if not fused:
         fused_decode.detach(llm.engine.model)
+    if lm_head_int8:
+        llm.engine.model.lm_head.quantize_int8()
     return llm
 
 
@@ -170,6 +173,8 @@ def main() -> None:
     parser.add_argument("--batched", default=None, help="NAME of the --ascq entry run on the batched workload")
     parser.add_argument("--no-fused", action="append", default=[], metavar="NAME",
                         help="run this --ascq entry with fused decode off (the eager per-layer path; repeatable)")
+    parser.add_argument("--lm-head-int8", action="append", default=[], metavar="NAME",
+                        help="run this --ascq entry with the opt-in int8 LM head (changes logits; repeatable)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -179,7 +184,7 @@ def main() -> None:
     batched_name = args.batched or next(iter(specs))
     server = LlamaServer(args.llama_server, args.gguf, args.threads, args.concurrency, args.concurrency * 768)
     try:
-        llms = {name: ascq_llm(spec, max(64, args.num_requests), name not in args.no_fused)
+        llms = {name: ascq_llm(spec, max(64, args.num_requests), name not in args.no_fused, name in args.lm_head_int8)
                 for name, spec in specs.items()}
         prompt = [random.Random(args.seed).randrange(100, 4000) for _ in range(32)]
         requests = make_requests(args.num_requests, args.seed)

@@ -117,3 +117,21 @@ def test_smollm2_fused_matches_eager(converted_entry, monkeypatch: pytest.Monkey
     assert assert_fused_matches_eager(SMOLLM2, "bfloat16", monkeypatch, PROMPTS[:2], max_tokens=24) >= 23
     entry = converted_entry(SMOLLM2, ("w4a16-rtn",), max_eval_tokens=256)
     assert assert_fused_matches_eager(entry, "auto", monkeypatch, PROMPTS[:2], max_tokens=24) >= 23
+
+
+@needs_native
+def test_opt_in_int8_lm_head_is_close_to_bf16(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ASCQ_LM_HEAD_QUANT=int8 (opt-in, README): logits from an int8 per-row copy of the head, close to bf16's."""
+    from ascq.runtime.layers.embedding import LM_HEAD_QUANT_ENV
+
+    monkeypatch.setenv(LM_HEAD_QUANT_ENV, "int8")
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory=8 << 20)
+    head = llm.engine.model.lm_head
+    assert head.int8 is not None
+    hidden = torch.randn(3, head.weight.shape[1]).bfloat16()
+    with torch.inference_mode():
+        int8_logits = head(hidden)
+        bf16_logits = hidden.float() @ head.weight.float().T
+    assert int8_logits.dtype == torch.float32 and int8_logits.shape == bf16_logits.shape
+    error = (int8_logits - bf16_logits).abs().max() / bf16_logits.abs().max()
+    assert 0 < error < 0.02, error  # int8 rounding: not the bf16 result, but within ~1 %

@@ -9,9 +9,11 @@ import time
 import torch
 from torch import nn
 
+from ascq.errors import UnsupportedError
 from ascq.runtime import fused_decode
 from ascq.runtime.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, unsupported_reason
 from ascq.runtime.layers.attention import AttentionMetadata
+from ascq.runtime.layers.embedding import LM_HEAD_QUANT_ENV, ParallelLMHead
 from ascq.runtime.request import Request
 from ascq.runtime.scheduler import SchedulerOutput
 
@@ -39,6 +41,12 @@ class ModelRunner:
             self.fused_decode_reason = fused_decode.attach(model)
             if self.fused_decode_reason:
                 logger.debug("fused decode off: %s", self.fused_decode_reason)
+        if os.environ.get(LM_HEAD_QUANT_ENV, "") == "int8":  # opt-in, other logits
+            head = getattr(model, "lm_head", None)
+            if device.type != "cpu" or not isinstance(head, ParallelLMHead):
+                raise UnsupportedError(f"{LM_HEAD_QUANT_ENV}=int8 needs the cpu backend and a ParallelLMHead")
+            head.quantize_int8()
+            logger.info("%s=int8: the LM head runs as int8 (per-row scales); logits differ from bf16", LM_HEAD_QUANT_ENV)
         # test-only: a deliberate per-step slowdown, so `ascq bench --compare` can be shown to catch regressions
         self.debug_step_delay_s = float(os.environ.get(DEBUG_STEP_DELAY_ENV, "0") or 0) / 1000
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascq.kernels import cpu
+from ascq.kernels import cpu, native
 from ascq.runtime.layers.loadable import assign_parameter
 from ascq.runtime.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
 
@@ -32,9 +32,33 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
+LM_HEAD_QUANT_ENV = "ASCQ_LM_HEAD_QUANT"
+"""`int8`: opt in to an int8 copy of the LM head on the CPU (`ParallelLMHead.quantize_int8`); other logits."""
+
+
 class ParallelLMHead(VocabParallelEmbedding):
+    int8: tuple[torch.Tensor, torch.Tensor, int] | None = None  # opt-in: (int8 weight, fp32 scales, group size)
+
+    def quantize_int8(self) -> None:
+        """Opt-in, and it changes the logits: keep an int8 per-row symmetric copy of the head (half the bytes per
+        token of bf16; a tied head of a small model is a large share of its decode step's memory traffic) and run
+        it through the native 8-bit kernel for batches below `cpu.NATIVE_MAX_M`. The bf16 weight stays (the
+        embedding, large batches)."""
+        w = self.weight.float()
+        scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous()
+        k = w.shape[1]
+        group = next((g for g in range(min(k, native.MAX_GROUP_SIZE[8]), 0, -32) if k % g == 0), None)
+        if k % 32 or group is None or native.load() is None:
+            raise ValueError(f"int8 LM head needs the native kernels and hidden size % 32 == 0 (got {k})")
+        self.int8 = (q, scale.repeat_interleave(k // group, 1).contiguous(), group)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 [T, vocab]."""
+        if self.int8 is not None and 0 < hidden.shape[0] < cpu.NATIVE_MAX_M:
+            q, scales, group = self.int8
+            logits = native.weight_only_mm(None, hidden, q, 8, scales, None, group)
+            return all_gather_last_dim(logits) if self.tp_size > 1 else logits
         logits = cpu.bf16_small_m_linear(hidden, self.weight) if self.weight.device.type == "cpu" else None
         if logits is None:
             logits = F.linear(hidden, self.weight)
