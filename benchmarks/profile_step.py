@@ -5,7 +5,9 @@ engine's phases (scheduler, metadata building in `ModelRunner.prepare`, the mode
 sampler, the engine's own bookkeeping), and the forward further into its leaf layers (linears, attention kernel,
 KV cache write, norms, rotary, embedding) by timing those calls; "python / other" is the forward's time outside
 them (module dispatch, splits/views, residual adds). With decode graphs (`--no-enforce-eager`) the forward is one
-number: its parts run inside compiled layers. Prints a markdown table of ms per step (median over steps).
+number: its parts run inside compiled layers; with fused decode (the eager default for bf16 / W4A16 / W8A16 Llama
+layers, runtime/fused_decode.py; ASCQ_FUSED_DECODE=0 turns it off) a decode step's layers are one native call,
+"fused decode layers (native)". Prints a markdown table of ms per step (median over steps).
 
     OMP_NUM_THREADS=2 python benchmarks/profile_step.py --model zoo/smollm2-135m-instruct --dtype float32 --batch 1 32
 """
@@ -76,6 +78,9 @@ def instrument(llm: LLM, clock: StepClock) -> None:
     model.compute_logits = clock.wrap("lm head", model.compute_logits, leaf=False)
     if engine.runner.decode_graphs is not None:  # timers inside a compiled layer would break its graph
         return
+    decoder = getattr(model, "model", None)
+    if getattr(decoder, "fused_decode", None) is not None:  # a decode step's layers in one native call
+        decoder.fused_decode = clock.wrap("fused decode layers (native)", decoder.fused_decode)
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             continue
@@ -92,7 +97,8 @@ def instrument(llm: LLM, clock: StepClock) -> None:
             module.backend = TimedBackend
 
 
-FORWARD_PARTS = ("linears", "attention kernel", "kv cache write", "norms (+residual add)", "rotary", "embedding")
+FORWARD_PARTS = ("fused decode layers (native)", "linears", "attention kernel", "kv cache write",
+                 "norms (+residual add)", "rotary", "embedding")
 ENGINE_PARTS = ("scheduler", "metadata (prepare)", "lm head", "sampler")
 
 
