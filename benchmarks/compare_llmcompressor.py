@@ -232,7 +232,8 @@ def driver(args: argparse.Namespace) -> None:
                      result.get("peak_rss_bytes"), note))
         print("row", json.dumps(rows[-1]), flush=True)
 
-    ascq_row("w4a16-rtn")
+    if not args.skip_rtn:
+        ascq_row("w4a16-rtn")
     for algorithm in args.algorithms:  # each pair back to back, so that both see the same machine
         ascq_row(ASCQ_RECIPE[algorithm])
         llmc_row(algorithm)
@@ -278,6 +279,7 @@ def main() -> None:
     parser.add_argument("--llmc-python", default=str(LLMC_PYTHON), help="python of llm-compressor's venv")
     parser.add_argument("--eval-text", help="held-out text file (default: ascq/data/eval.txt)")
     parser.add_argument("--algorithms", nargs="+", default=["awq", "gptq"], choices=sorted(ASCQ_RECIPE))
+    parser.add_argument("--skip-rtn", action="store_true", help="no ascq w4a16-rtn baseline row")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--algorithm", choices=sorted(ASCQ_RECIPE))
     parser.add_argument("--model")

@@ -71,6 +71,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=shape.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=shape.o_bias)
+        # the converter's calibration forwards (`pipeline.fast_attention`): torch's fused causal attention, ~7x
+        # faster on the CPU, equal to `causal_attention` up to float rounding (not bit for bit)
+        self.fused_attention = False
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
         """x [batch, seq, hidden] at position_ids [1 or batch, seq]."""
@@ -83,6 +86,9 @@ class Attention(nn.Module):
         q, k = self.rotary_emb.rotate(q, cos_sin), self.rotary_emb.rotate(k, cos_sin)
         if kv_hook is not None:
             k, v = kv_hook(k, v)
+        if self.fused_attention and x.dtype == torch.float32:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.head_dim**-0.5, enable_gqa=True)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         out = torch.stack([
             causal_attention(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), s.head_dim**-0.5)
             for b in range(batch)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 FakeQuantize = Callable[[torch.Tensor], torch.Tensor]
+CLIP_STACK_ELEMENTS = 8 << 20  # weight elements quantized per call of the clip search (shrink steps stacked as rows)
 
 
 @dataclasses.dataclass
@@ -90,6 +91,8 @@ def search_scales(
     fake_quantize: FakeQuantize | Sequence[FakeQuantize],
     config: AWQSearchConfig,
     exact: bool = False,
+    gram: torch.Tensor | None = None,
+    rows_independent: bool = False,
 ) -> tuple[torch.Tensor, float | None, list[float]]:
     """Best per-input-channel scales for `linears` (which all read the same input, of mean |x| `x_mean`).
 
@@ -99,25 +102,45 @@ def search_scales(
     `block_output()` runs the computation that contains the linears (e.g. the attention or MLP module) on the
     calibration input with the linears' current weights. Returns (scales [in], best α, loss per α); the linears'
     weights are restored before returning. `fake_quantize` may be one function or one per linear.
+
+    `gram`: when the block is the one linear itself, its sampled input's xᵀx / n. The loss mean((x·Dᵀ)²) of a
+    weight change D is then Σ (D·G) ⊙ D / out, without running the block (out · in² instead of n · out · in
+    multiply-adds per grid point; equal up to float rounding). `rows_independent`: every quantizer treats each row
+    on its own, so the scaled weights of several grid points are stacked as rows and quantized in one call.
     """
     quantizers = [fake_quantize] * len(linears) if callable(fake_quantize) else list(fake_quantize)
     w_mean = weight_mean([lin.weight for lin in linears], config.group_size) if config.duo_scaling else None
-    reference = block_output().float()
+    if gram is not None and len(linears) != 1:
+        raise ValueError("AWQ: a Gram-matrix loss needs the block to be a single linear")
+    reference = block_output().float() if gram is None else None
     originals = [lin.weight.data.clone() for lin in linears]
     losses: list[float] = []
     best = (float("inf"), 0.0, torch.ones_like(x_mean))
+    candidates = [(None, torch.ones_like(x_mean))] if config.identity_candidate else []  # s = 1, reported as α None
+    candidates += [(step / config.num_grid, duo_scales(x_mean, w_mean, step / config.num_grid)) for step in range(config.num_grid)]
+    if exact:
+        candidates = [(alpha, power_of_two(scales)) for alpha, scales in candidates]
+    largest = max(w.numel() for w in originals)
+    per_call = max(1, CLIP_STACK_ELEMENTS // largest) if rows_independent else 1
     try:
-        for step in [*([None] if config.identity_candidate else []), *range(config.num_grid)]:
-            alpha = None if step is None else step / config.num_grid
-            scales = torch.ones_like(x_mean) if alpha is None else duo_scales(x_mean, w_mean, alpha)
-            if exact:
-                scales = power_of_two(scales)
-            for lin, w, quantize in zip(linears, originals, quantizers, strict=True):
-                lin.weight.data = (quantize(w.float() * scales) / scales).to(w.dtype)
-            loss = (block_output().float() - reference).pow(2).mean().item()
-            losses.append(loss)
-            if loss < best[0]:
-                best = (loss, alpha, scales)
+        for first in range(0, len(candidates), per_call):
+            chunk = candidates[first : first + per_call]
+            stacked = torch.stack([scales for _, scales in chunk])[:, None, :]  # [k, 1, in]
+            quantized = [
+                (quantize((w.float()[None] * stacked).view(-1, w.shape[1])).view(len(chunk), *w.shape) / stacked).to(w.dtype)
+                for w, quantize in zip(originals, quantizers, strict=True)
+            ]
+            for index, (alpha, scales) in enumerate(chunk):
+                for lin, q in zip(linears, quantized, strict=True):
+                    lin.weight.data = q[index]
+                if gram is None:
+                    loss = (block_output().float() - reference).pow(2).mean().item()
+                else:
+                    change = linears[0].weight.float() - originals[0].float()
+                    loss = ((change @ gram) * change).sum().item() / change.shape[0]
+                losses.append(loss)
+                if loss < best[0]:
+                    best = (loss, alpha, scales)
     finally:
         for lin, w in zip(linears, originals, strict=True):
             lin.weight.data = w
@@ -158,14 +181,20 @@ def sample_tokens(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
 
 @torch.no_grad()
 def search_clip(
-    weight: torch.Tensor, x: torch.Tensor, fake_quantize: FakeQuantize, config: AWQSearchConfig
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    fake_quantize: FakeQuantize,
+    config: AWQSearchConfig,
+    rows_independent: bool = False,
 ) -> torch.Tensor:
     """Per (output row, group) clip bound max|w| · (1 - shrink), shrink in {0, max_shrink/steps, ..., max_shrink}.
 
     Each group's bound minimises the MSE of its partial output x_g · w_gᵀ over the sampled tokens `x`: with
     d = q_g - w_g that is d · H_g · dᵀ / n, H_g = x_gᵀ x_g, evaluated from the per-group Gram matrices when a group
     is shorter than the token count (out · in · s multiply-adds per step instead of n · out · in, and no
-    [n, out, groups] temporaries). Returns max_val [out, num_groups].
+    [n, out, groups] temporaries). `rows_independent`: `fake_quantize` treats every row on its own (per-channel or
+    per-group parameters), so several shrink steps are stacked as extra rows and quantized in one call.
+    Returns max_val [out, num_groups].
     """
     w = weight.float()
     out_dim, in_dim = w.shape
@@ -178,18 +207,24 @@ def search_clip(
     reference = torch.einsum("ngs,ogs->nog", xs, w_groups) if gram is None else None
     best_err = torch.full_like(original_max, float("inf"))
     best_max = original_max.clone()
-    for step in range(config.num_clip_steps + 1):
-        max_val = original_max * (1 - config.max_shrink * step / config.num_clip_steps)
-        bound = max_val.repeat_interleave(size, dim=1)
-        q = fake_quantize(torch.maximum(torch.minimum(w, bound), -bound)).view(out_dim, num_groups, size)
+    steps = list(range(config.num_clip_steps + 1))
+    per_call = max(1, CLIP_STACK_ELEMENTS // w.numel()) if rows_independent else 1
+    for first in range(0, len(steps), per_call):
+        chunk = steps[first : first + per_call]
+        shrink = torch.tensor([1 - config.max_shrink * step / config.num_clip_steps for step in chunk])
+        max_vals = original_max[None] * shrink[:, None, None]  # [k, out, g]
+        bound = max_vals.repeat_interleave(size, dim=2)  # [k, out, in]
+        clipped = torch.maximum(torch.minimum(w[None], bound), -bound)
+        q = fake_quantize(clipped.view(-1, in_dim)).view(len(chunk), out_dim, num_groups, size)
         if gram is None:
-            err = (torch.einsum("ngs,ogs->nog", xs, q) - reference).pow(2).mean(dim=0)  # [out, g]
+            err = (torch.einsum("ngs,kogs->knog", xs, q) - reference).pow(2).mean(dim=1)  # [k, out, g]
         else:
             d = q - w_groups
-            err = (torch.einsum("ogs,gst->ogt", d, gram) * d).sum(dim=-1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_max = torch.where(better, max_val, best_max)
+            err = (torch.einsum("kogs,gst->kogt", d, gram) * d).sum(dim=-1)
+        for err_k, max_k in zip(err, max_vals, strict=True):  # in step order: ties keep the smaller shrink
+            better = err_k < best_err
+            best_err = torch.where(better, err_k, best_err)
+            best_max = torch.where(better, max_k, best_max)
     return best_max
 
 

@@ -147,9 +147,12 @@ class AWQModifier(Modifier):
         modules = [ctx.module(n) for n in linears]
         block_module = ctx.module(group.block)
         budget = self.search.max_search_tokens
+        gram = None
         if calls is None:  # a single linear: its input rows are independent, sample them
             xs = awq.sample_tokens(_flat_cat(x), budget)
             block_output = lambda: block_module(xs)  # noqa: E731
+            if modules == [block_module] and xs.shape[0] > xs.shape[1]:  # the loss follows from the weight change
+                gram = xs.t() @ xs / xs.shape[0]
         else:  # whole calibration batches (attention needs whole sequences), at least one
             num_calls = next((i + 1 for i in range(len(x)) if num_tokens(x[: i + 1]) >= budget), len(x))
             block_output = lambda: replay(block_module, calls[:num_calls], x[:num_calls])  # noqa: E731
@@ -160,6 +163,8 @@ class AWQModifier(Modifier):
             [self._fake_quantize(ctx, n) for n in linears],
             self._search_config(ctx, linears[0]),
             exact=bool(group.exact_layers),
+            gram=gram,
+            rows_independent=all(ctx.targets[n].weights.strategy in ("channel", "group") for n in linears),
         )
         consumers = modules + [ctx.module(n) for n in group.exact_layers]
         producer = ctx.module(group.smooth_layer)
@@ -177,7 +182,8 @@ class AWQModifier(Modifier):
                 continue
             linear = ctx.module(name)
             config = self._search_config(ctx, name)
-            max_val = awq.search_clip(linear.weight, _flat_cat(x), self._fake_quantize(ctx, name), config)
+            rows_independent = ctx.targets[name].weights.strategy in ("channel", "group")
+            max_val = awq.search_clip(linear.weight, _flat_cat(x), self._fake_quantize(ctx, name), config, rows_independent)
             awq.apply_clip(linear, max_val)
 
     def _quantize(self, ctx: LayerContext) -> None:

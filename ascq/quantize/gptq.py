@@ -13,8 +13,9 @@ front from the original weights and the checkpoint format needs no g_idx.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -43,23 +44,57 @@ class GPTQConfig:
             raise ValueError("GPTQ: dampening_frac must be in (0, 1)")
 
 
+class GramCache:
+    """The last scaled Gram matrix a `HessianAccumulator` computed, keyed on its input's storage: linears that read
+    the same tensor (q/k/v, gate/up; hooks see detached views of it) share one x xᵀ product."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.input: torch.Tensor | None = None  # kept alive, so that its storage address is not reused
+        self.gram: torch.Tensor | None = None
+
+    def get(self, x: torch.Tensor, total: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        key = (x.data_ptr(), x.dtype, tuple(x.shape), x.stride(), x._version, total)
+        if key != self.key:
+            self.key, self.input, self.gram = key, x, compute()
+        return self.gram
+
+
 class HessianAccumulator:
     """Running H = 2/n Σ x xᵀ over batches of a linear's inputs, in float32."""
 
-    def __init__(self, in_features: int) -> None:
+    def __init__(self, in_features: int, cache: GramCache | None = None) -> None:
         self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32)
         self.num_tokens = 0
+        self.cache = cache
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
-        n = x.shape[0]
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
         if n == 0:
             return
         total = self.num_tokens + n
         self.hessian *= self.num_tokens / total
-        x = x * (2.0 / total) ** 0.5
-        self.hessian += x.t() @ x
+
+        def gram() -> torch.Tensor:
+            scaled = rows.float() * (2.0 / total) ** 0.5
+            return scaled.t() @ scaled
+
+        self.hessian += self.cache.get(x, total, gram) if self.cache is not None else gram()
         self.num_tokens = total
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """torch ops on one thread. GPTQ's are small (one column at a time, factorising a ≤ in × in matrix), and two
+    OpenMP threads meeting at a barrier after each cost more than they save: 2-10x slower on a loaded 2-core
+    machine, bit-identical results."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _quantize_column(
@@ -84,6 +119,7 @@ def _inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> tor
 
 
 @torch.no_grad()
+@single_thread()
 def gptq_quantize(
     weight: torch.Tensor, hessian: torch.Tensor, qparams: QParams, q_range: tuple[int, int], config: GPTQConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,8 +147,17 @@ def gptq_quantize(
         perm = torch.argsort(torch.diag(h), descending=True)
         w, h = w[:, perm], h[perm][:, perm]
     u = _inverse_hessian_factor(h, config.dampening_frac)
-    q_min, q_max = q_range
+    _solve(w, u, scales, zeros, qparams, [p // group for p in perm.tolist()], group, q_range, config)
+    if config.actorder:
+        w = w[:, torch.argsort(perm)]
+    return w, scales, zeros
 
+
+def _solve(w: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, qparams: QParams,
+           group_of: list[int], group: int, q_range: tuple[int, int], config: GPTQConfig) -> None:
+    """The column loop, in place on `w` (and on `scales`/`zeros` without act-order)."""
+    in_dim = w.shape[1]
+    q_min, q_max = q_range
     for start in range(0, in_dim, config.block_size):
         end = min(start + config.block_size, in_dim)
         w_block = w[:, start:end].clone()
@@ -121,7 +166,7 @@ def gptq_quantize(
         u_block = u[start:end, start:end]
         for i in range(end - start):
             col = start + i
-            g = int(perm[col]) // group
+            g = group_of[col]
             if not config.actorder and col % group == 0:  # the group's columns as updated so far
                 upcoming = torch.cat([w_block[:, i:], w[:, end:]], dim=1)[:, :group]
                 scales[:, g : g + 1], zeros[:, g : g + 1] = qparams(upcoming)
@@ -133,7 +178,3 @@ def gptq_quantize(
             err_block[:, i] = err
         w[:, start:end] = q_block
         w[:, end:] -= err_block @ u[start:end, end:]
-
-    if config.actorder:
-        w = w[:, torch.argsort(perm)]
-    return w, scales, zeros

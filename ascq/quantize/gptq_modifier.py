@@ -18,7 +18,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 
 from ascq.quantize import qmath
-from ascq.quantize.gptq import CholeskyError, GPTQConfig, HessianAccumulator, gptq_quantize
+from ascq.quantize.gptq import CholeskyError, GPTQConfig, GramCache, HessianAccumulator, gptq_quantize
 from ascq.quantize.input_capture import InputCapture
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
@@ -93,7 +93,8 @@ class GPTQModifier(Modifier):
         owned = [n for n, t in ctx.targets.items() if t.owner is self.scheme and n not in ctx.results]
         if not owned:
             return
-        hessians = {n: HessianAccumulator(ctx.module(n).weight.shape[1]) for n in owned}
+        cache = GramCache()  # linears reading the same input share its x xᵀ
+        hessians = {n: HessianAccumulator(ctx.module(n).weight.shape[1], cache) for n in owned}
         experts = ctx.arch.expert_names(ctx.layer)
         capture = ["mlp"] if experts else []
         with InputCapture(ctx.layer, [*owned, *capture], {n: h.add for n, h in hessians.items()}) as cap:

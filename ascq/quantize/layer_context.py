@@ -45,6 +45,30 @@ class LayerContext:
                 self.arch.forward_layer(self.layer, x, self.position_ids(x.shape[1]), kv_hook=kv_hook) for x in self.inputs
             ]
 
+    @torch.no_grad()
+    def observe(self, hooks: dict[str, Hook]) -> None:
+        """Run every calibration sample only as far as the hooked modules (each called once per forward): a
+        sample's forward stops once every hooked module has produced its output, so e.g. SmoothQuant's norm
+        statistics skip the MLP. What the hooks see is what `run` would show them."""
+        pending: set[str] = set()
+
+        def stopping(name: str, hook: Hook) -> Hook:
+            def wrapper(module: nn.Module, args: tuple, output: Any) -> None:
+                hook(module, args, output)
+                pending.discard(name)
+                if not pending:
+                    raise _StopForward
+
+            return wrapper
+
+        with registered_hooks(self.layer, {name: stopping(name, hook) for name, hook in hooks.items()}):
+            for x in self.inputs:
+                pending.update(hooks)
+                try:
+                    self.arch.forward_layer(self.layer, x, self.position_ids(x.shape[1]))
+                except _StopForward:
+                    pass
+
     def input_absmax(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Per-input-channel max |x| over all calibration tokens at each named module's input."""
         maxima: dict[str, torch.Tensor] = {}
@@ -56,8 +80,12 @@ class LayerContext:
 
             return hook
 
-        self.run({name: observe(name) for name in names})
+        self.observe({name: observe(name) for name in names})
         return maxima
+
+
+class _StopForward(Exception):
+    """Raised by `LayerContext.observe`'s hooks to end a sample's forward early."""
 
 
 @contextlib.contextmanager

@@ -106,6 +106,15 @@ def layer_targets(
     return targets, ignored, fallbacks
 
 
+def fast_attention(layer: nn.Module) -> nn.Module:
+    """Switch the layer's attention to torch's fused kernel (`decoder.Attention.fused_attention`) for the converter's
+    forwards: same function up to float rounding, several times faster than the reference backend's attention."""
+    for module in layer.modules():
+        if hasattr(module, "fused_attention"):
+            module.fused_attention = True
+    return layer
+
+
 def _batches(embed: torch.Tensor, ids: torch.Tensor, device: str) -> list[torch.Tensor]:
     return [embed[chunk].float().to(device) for chunk in ids.split(BATCH_SIZE)]
 
@@ -175,7 +184,7 @@ class StreamState:
 def convert_layer(job: LayerJob, state: StreamState, index: int) -> None:
     """Load, calibrate, quantize and write decoder layer `index`, then move `state` past it."""
     arch, prefix = job.arch, job.arch.layer_prefix(index)
-    layer = arch.build_layer(index, job.reader.get_prefix(prefix, torch.float32)).to(job.device)
+    layer = fast_attention(arch.build_layer(index, job.reader.get_prefix(prefix, torch.float32)).to(job.device))
     targets, layer_ignored, layer_fallbacks = layer_targets(layer, prefix, job.schemes)
     state.ignored += layer_ignored
     state.fallbacks.update(layer_fallbacks)

@@ -26,29 +26,41 @@ from ascq.quantize.schemes import LinearTarget, RecipeScheme, resolve_target
 from ascq.runtime.layers.rmsnorm import rms_norm
 
 
-def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None):
+def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None, shared: dict | None = None):
+    """Fake-quantize a linear's input. `shared`: one dict for the linears of a layer, so that linears reading the
+    same tensor with the same quantizer (q/k/v, gate/up) quantize it once (the last input is kept in it)."""
+
     def hook(module: nn.Module, inputs: tuple) -> tuple:
         x = inputs[0]
+        if shared is not None and shared.get("input") is x and shared["version"] == x._version and shared["args"] == args \
+                and _same_scale(shared["scale"], input_scale):
+            return (shared["output"], *inputs[1:])
         if args.dynamic:
-            x = qmath.per_token_fake_quantize(x, args.num_bits)
+            out = qmath.per_token_fake_quantize(x, args.num_bits)
         else:
-            x = qmath.static_fake_quantize(x, input_scale.to(x.device), args.num_bits)
-        return (x, *inputs[1:])
+            out = qmath.static_fake_quantize(x, input_scale.to(x.device), args.num_bits)
+        if shared is not None:
+            shared.update(input=x, version=x._version, args=args, scale=input_scale, output=out)
+        return (out, *inputs[1:])
 
     return hook
+
+
+def _same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def install_quantized(
     layer: nn.Module, quantized: dict[str, tuple[LinearTarget, QuantizedLinear]]
 ) -> list[RemovableHandle]:
     """Replace each linear's weight by its dequantized value and fake-quantize its input; returns the hook handles."""
-    handles = []
+    handles, shared = [], {}
     for name, (target, ql) in quantized.items():
         linear = layer.get_submodule(name)
         weight = qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, target.weights)
         linear.weight.data = weight.to(linear.weight.device, linear.weight.dtype)
         if target.input_activations is not None:
-            handles.append(linear.register_forward_pre_hook(activation_pre_hook(target.input_activations, ql.input_scale)))
+            handles.append(linear.register_forward_pre_hook(activation_pre_hook(target.input_activations, ql.input_scale, shared)))
     return handles
 
 

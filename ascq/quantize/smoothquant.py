@@ -98,5 +98,5 @@ def _norm_output_absmax(ctx: LayerContext, norms: list[str]) -> dict[str, torch.
 
         return hook
 
-    ctx.run({name: observe(name) for name in norms})
+    ctx.observe({name: observe(name) for name in norms})
     return maxima

@@ -1,0 +1,162 @@
+"""The converter's speed paths compute what the plain paths compute: bit for bit where the same operations run in
+another order or batching, to float rounding where the math is rearranged (fused attention, Gram-matrix losses)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+from torch import nn
+
+from ascq.formats.safetensors import CheckpointReader
+from ascq.quantize import awq, qmath
+from ascq.quantize.architectures import load_architecture
+from ascq.quantize.gptq import GramCache, HessianAccumulator
+from ascq.quantize.input_capture import InputCapture
+from ascq.quantize.layer_context import LayerContext
+from ascq.quantize.pipeline import fast_attention
+from ascq.quantize.reference_forward import activation_pre_hook
+
+W4_G32 = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)
+W8_TOKEN = QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
+
+
+def fake_quantize(w: torch.Tensor) -> torch.Tensor:
+    return qmath.fake_quantize_weight(w, W4_G32)
+
+
+def tiny_layer(tiny_llama_dir, index: int = 0) -> tuple:
+    arch = load_architecture(tiny_llama_dir)
+    layer = arch.build_layer(index, CheckpointReader(tiny_llama_dir).get_prefix(arch.layer_prefix(index), torch.float32))
+    return arch, layer
+
+
+def test_clip_search_with_stacked_steps_is_bit_identical():
+    torch.manual_seed(0)
+    w = torch.randn(48, 128)
+    w[3, 7] = 9.0
+    for num_tokens in (16, 400):  # the partial-output path (groups longer than the tokens) and the Gram path
+        x = torch.randn(num_tokens, 128) * (torch.rand(128) * 3)
+        config = awq.AWQSearchConfig(group_size=32, max_clip_tokens=512)
+        one_at_a_time = awq.search_clip(w, x, fake_quantize, config)
+        stacked = awq.search_clip(w, x, fake_quantize, config, rows_independent=True)
+        assert torch.equal(one_at_a_time, stacked)
+        assert (stacked < w.abs().view(48, 4, 32).amax(-1)).any()
+
+
+def test_alpha_grid_gram_loss_equals_the_linear_output_loss():
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    x[:, [3, 17, 40]] *= 30.0
+    linear = nn.Linear(64, 24)
+    before = linear.weight.clone()
+    config = awq.AWQSearchConfig(group_size=32)
+    x_mean = awq.activation_mean(x)
+    plain = awq.search_scales(x_mean, [linear], lambda: linear(x), fake_quantize, config)
+    gram = awq.search_scales(x_mean, [linear], lambda: linear(x), fake_quantize, config, gram=x.t() @ x / x.shape[0])
+    assert torch.equal(linear.weight, before)
+    assert gram[2] == pytest.approx(plain[2], rel=1e-4)
+    assert gram[1] == plain[1] and torch.equal(gram[0], plain[0])
+    with pytest.raises(ValueError, match="single linear"):
+        awq.search_scales(x_mean, [linear, linear], lambda: linear(x), fake_quantize, config, gram=x.t() @ x)
+
+
+def test_shared_gram_cache_gives_the_same_hessians_once_per_input():
+    torch.manual_seed(0)
+    batches = [torch.randn(2, 32, 40) for _ in range(3)]
+    cache = GramCache()
+    shared = [HessianAccumulator(40, cache), HessianAccumulator(40, cache)]
+    alone = HessianAccumulator(40)
+    computed = []
+    original_get = cache.get
+
+    def counting_get(x, total, compute):
+        return original_get(x, total, lambda: computed.append(1) or compute())
+
+    cache.get = counting_get
+    for x in batches:
+        for accumulator in shared:
+            accumulator.add(x.detach())  # hooks see a fresh detached view per module
+        alone.add(x)
+    assert all(torch.equal(a.hessian, alone.hessian) for a in shared)
+    assert len(computed) == len(batches)
+    other = HessianAccumulator(40, cache)
+    other.add(batches[0] + 1)  # another tensor: its own product
+    assert len(computed) == len(batches) + 1
+
+
+def test_observe_stops_after_the_hooked_modules_and_sees_what_run_sees(tiny_llama_dir):
+    arch, layer = tiny_layer(tiny_llama_dir)
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 16, arch.hidden_size), torch.randn(1, 16, arch.hidden_size)]
+    ctx = LayerContext(0, arch.layer_prefix(0), arch, layer, inputs, {}, torch.float32)
+    seen: dict[str, list[torch.Tensor]] = {"run": [], "observe": []}
+    mlp_calls = []
+    layer.mlp.register_forward_pre_hook(lambda *a: mlp_calls.append(1))
+
+    def record(kind: str):
+        return lambda module, args, output: seen[kind].append(output.clone())
+
+    ctx.run({"post_attention_layernorm": record("run")})
+    assert len(mlp_calls) == 2
+    ctx.observe({"input_layernorm": record("observe"), "post_attention_layernorm": record("observe")})
+    assert len(mlp_calls) == 2, "observe ran the MLP, which no hook needs"
+    assert all(torch.equal(a, b) for a, b in zip(seen["run"], seen["observe"][1::2], strict=True))
+
+
+def test_shared_activation_quantizer_is_bit_identical_and_quantizes_once():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 32) * 4
+    shared: dict = {}
+    hooks = [activation_pre_hook(W8_TOKEN, None, shared) for _ in range(3)]
+    outputs = [hook(None, (x,))[0] for hook in hooks]
+    expected = qmath.per_token_fake_quantize(x, 8)
+    assert all(torch.equal(out, expected) for out in outputs)
+    assert outputs[1] is outputs[0] and outputs[2] is outputs[0]
+    x.mul_(2)  # changed in place: quantized again
+    assert torch.equal(hooks[0](None, (x,))[0], qmath.per_token_fake_quantize(x, 8))
+    static = QuantizationArgs(num_bits=8, type="int", strategy="tensor", symmetric=True, dynamic=False)
+    a, b = torch.tensor([0.05]), torch.tensor([0.1])
+    y = torch.randn(4, 32)
+    static_shared: dict = {}
+    first = activation_pre_hook(static, a, static_shared)(None, (y,))[0]
+    second = activation_pre_hook(static, b, static_shared)(None, (y,))[0]  # another scale: its own result
+    assert torch.equal(first, qmath.static_fake_quantize(y, a)) and torch.equal(second, qmath.static_fake_quantize(y, b))
+
+
+def test_fused_attention_matches_the_reference_attention(tiny_llama_dir):
+    arch, layer = tiny_layer(tiny_llama_dir)
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, arch.hidden_size)
+    positions = torch.arange(40)[None]
+    reference = arch.forward_layer(layer, x, positions)
+    fused = arch.forward_layer(fast_attention(layer), x, positions)
+    assert layer.self_attn.fused_attention
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_input_capture_views_share_storage_for_the_gram_cache(tiny_llama_dir):
+    """q/k/v read one tensor; the capture hooks' detached views keep its storage, so the cache key matches."""
+    arch, layer = tiny_layer(tiny_llama_dir)
+    pointers: dict[str, int] = {}
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    on_input = {n: (lambda x, n=n: pointers.__setitem__(n, x.data_ptr())) for n in names}
+    with InputCapture(layer, names, on_input), torch.no_grad():
+        arch.forward_layer(layer, torch.randn(1, 8, arch.hidden_size), torch.arange(8)[None])
+    assert len(set(pointers.values())) == 1
+
+
+def test_alpha_grid_with_stacked_candidates_is_bit_identical():
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    x[:, [5, 9]] *= 20.0
+    q, k = nn.Linear(64, 48, bias=False), nn.Linear(64, 16, bias=False)
+
+    def block() -> torch.Tensor:
+        return torch.cat([q(x), k(x)], dim=-1).relu()
+
+    config = awq.AWQSearchConfig(group_size=32)
+    one_at_a_time = awq.search_scales(awq.activation_mean(x), [q, k], block, fake_quantize, config)
+    stacked = awq.search_scales(awq.activation_mean(x), [q, k], block, fake_quantize, config, rows_independent=True)
+    assert stacked[2] == one_at_a_time[2] and stacked[1] == one_at_a_time[1]
+    assert torch.equal(stacked[0], one_at_a_time[0]) and one_at_a_time[1] > 0
