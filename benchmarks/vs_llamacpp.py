@@ -20,6 +20,9 @@ Building llama-server (never an ascq dependency; keep it outside the repository)
     OMP_NUM_THREADS=2 python benchmarks/vs_llamacpp.py --llama-server PATH/build/bin/llama-server \\
         --gguf SmolLM2-135M-Instruct.Q4_1.gguf --ascq w4a16=zoo/smollm2-135m-instruct-w4a16 \\
         --ascq bf16=zoo/smollm2-135m-instruct:bfloat16 --rounds 3
+
+Before / after the fused decode path (runtime/fused_decode.py) in one run: the same checkpoint twice, one of them
+named in `--no-fused` (e.g. `--ascq w4a16-eager=PATH --no-fused w4a16-eager`).
 """
 
 from __future__ import annotations
@@ -113,11 +116,16 @@ def llama_batched_tps(server: LlamaServer, requests: list[tuple[list[int], int]]
     return num_tokens / (time.perf_counter() - start)
 
 
-def ascq_llm(spec: str, max_num_seqs: int):
+def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True):
+    """`fused` False: the eager per-layer decode path (runtime/fused_decode.py off), for before/after in one run."""
     from ascq import LLM
+    from ascq.runtime import fused_decode
 
     path, _, dtype = spec.partition(":")
-    return LLM(path, dtype=dtype or "auto", max_num_seqs=max_num_seqs, kv_cache_memory=1 << 30)
+    llm = LLM(path, dtype=dtype or "auto", max_num_seqs=max_num_seqs, kv_cache_memory=1 << 30)
+    if not fused:
+        fused_decode.detach(llm.engine.model)
+    return llm
 
 
 def ascq_decode_tps(llm, prompt: list[int], n: int) -> float:
@@ -160,6 +168,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--num-requests", type=int, default=64, help="batched workload (0: skip it)")
     parser.add_argument("--batched", default=None, help="NAME of the --ascq entry run on the batched workload")
+    parser.add_argument("--no-fused", action="append", default=[], metavar="NAME",
+                        help="run this --ascq entry with fused decode off (the eager per-layer path; repeatable)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -169,7 +179,8 @@ def main() -> None:
     batched_name = args.batched or next(iter(specs))
     server = LlamaServer(args.llama_server, args.gguf, args.threads, args.concurrency, args.concurrency * 768)
     try:
-        llms = {name: ascq_llm(spec, max(64, args.num_requests)) for name, spec in specs.items()}
+        llms = {name: ascq_llm(spec, max(64, args.num_requests), name not in args.no_fused)
+                for name, spec in specs.items()}
         prompt = [random.Random(args.seed).randrange(100, 4000) for _ in range(32)]
         requests = make_requests(args.num_requests, args.seed)
         llama_decode_tps(server, prompt, 8)  # warm-ups

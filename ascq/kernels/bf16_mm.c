@@ -6,8 +6,10 @@
 // whatever M is (two fp32 accumulators per row over alternating runs of 8, then a fixed horizontal sum), so a token's
 // result never depends on the rest of the batch: a verification row equals the same token decoded alone.
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 
+#define CHUNK_COLUMNS 256
 #define MAX_ROWS 6  // 12 accumulators + 2 weight registers of AVX2's 16: k = 5 proposals verify in one pass
 
 static inline float hsum(__m256 v) {
@@ -36,11 +38,9 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t *w, co
     for (int m = 0; m < rows; m++) out[m] = hsum(_mm256_add_ps(even[m], odd[m]));
 }
 
-// x fp32 [M, K] -> y fp32 [M, N] = x @ w.T, w bf16 (as uint16) [N, K]. Requires K % 16 == 0. Returns 0, or -1.
-int ascq_bf16_mm(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int num_threads) {
-    if (k % 16 || num_rows < 1 || n < 1 || num_threads < 1) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int j = 0; j < n; j++) {
+// Output columns [j0, j1) of y = x @ w.T (each column independent of the split). Also used by fused_decode.c.
+void ascq_bf16_columns(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int j0, int j1) {
+    for (int j = j0; j < j1; j++) {
         const uint16_t *wj = w + (size_t)j * k;
         for (int m0 = 0; m0 < num_rows; m0 += MAX_ROWS) {
             int rows = num_rows - m0 < MAX_ROWS ? num_rows - m0 : MAX_ROWS;
@@ -57,5 +57,16 @@ int ascq_bf16_mm(const float *x, const uint16_t *w, float *y, int num_rows, int 
             for (int m = 0; m < rows; m++) y[(size_t)(m0 + m) * n + j] = out[m];
         }
     }
+}
+
+// x fp32 [M, K] -> y fp32 [M, N] = x @ w.T, w bf16 (as uint16) [N, K]. Requires K % 16 == 0. Returns 0, or -1.
+int ascq_bf16_mm(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int num_threads) {
+    if (k % 16 || num_rows < 1 || n < 1 || num_threads < 1) return -1;
+    // chunks taken by whichever thread is free: a descheduled thread (a shared machine) delays only its chunk
+    int num_chunks = (n + CHUNK_COLUMNS - 1) / CHUNK_COLUMNS;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int c = 0; c < num_chunks; c++)
+        ascq_bf16_columns(x, w, y, num_rows, n, k, c * CHUNK_COLUMNS,
+                          c * CHUNK_COLUMNS + CHUNK_COLUMNS < n ? c * CHUNK_COLUMNS + CHUNK_COLUMNS : n);
     return 0;
 }

@@ -69,8 +69,9 @@ def _fp32_workspace(rows: int, cols: int) -> torch.Tensor:
 class NativeWeights:
     packed: torch.Tensor  # pack_w4 uint8 (4 bits) or the int8 weight (8 bits)
     group_size: int
-    scales: torch.Tensor  # fp32 [out, in // group_size]
-    zeros: torch.Tensor | None  # zero point (+ 8 at 4 bits), fp32 [out, groups]; None: symmetric
+    scales: torch.Tensor  # [out, in // group_size]: bf16 where that holds them exactly (fewer bytes per step), else fp32
+    zeros: torch.Tensor | None  # [out, groups]: int8 zero points, or (float zero points) fp32 zero point + 8 at 4 bits;
+    # None: symmetric
 
 
 @dataclass
@@ -160,13 +161,15 @@ def _prepare_native(p: CpuLinear) -> None:
     repeats = p.weights.in_features // group_size // p.scale.shape[1]
     zeros = None
     if p.zero is not None:
-        zeros = (p.zero.repeat_interleave(repeats, 1) + (8 if bits == 4 else 0)).contiguous()
-    p.packed = NativeWeights(
-        native.pack_w4(p.weight) if bits == 4 else p.weight,
-        group_size,
-        p.scale.repeat_interleave(repeats, 1) if repeats > 1 else p.scale.contiguous(),
-        zeros,
-    )
+        zeros = p.zero.repeat_interleave(repeats, 1).contiguous()
+        if torch.equal(zeros, zeros.round()) and zeros.abs().max() <= 127:  # integer zero points: 1 byte each
+            zeros = zeros.to(torch.int8)
+        else:  # float zero points: fp32 zu (zero point + 8 at 4 bits)
+            zeros = zeros + (8 if bits == 4 else 0)
+    scales = p.scale.repeat_interleave(repeats, 1) if repeats > 1 else p.scale.contiguous()
+    if torch.equal(scales.bfloat16().float(), scales):  # e.g. a checkpoint's bf16 scales: the same values, half the bytes
+        scales = scales.bfloat16()
+    p.packed = NativeWeights(native.pack_w4(p.weight) if bits == 4 else p.weight, group_size, scales, zeros)
     if bits == 4:
         p.weight = None  # large M dequantizes from the packed copy
 

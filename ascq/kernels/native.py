@@ -1,5 +1,5 @@
 """ascq's native CPU kernels (weight_only_mm.c: W4A16 / W8A16 matmul; bf16_mm.c: bf16-weight matmul for small M;
-paged_decode_attention.c), compiled with the
+paged_decode_attention.c; fused_decode.c: a Llama decoder stack's decode step in one call), compiled with the
 system C compiler on first use into one shared library and loaded via ctypes.
 
 No torch headers are needed (the kernels take raw pointers), so a compile takes about a second. The shared object is
@@ -32,7 +32,8 @@ import torch
 
 from ascq.atomic_file import atomic_output
 
-SOURCES = [Path(__file__).with_name(name) for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c")]
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
@@ -77,13 +78,16 @@ def load() -> ctypes.CDLL | None:
         return None
     lib.ascq_weight_only_mm.restype = ctypes.c_int
     lib.ascq_weight_only_mm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.ascq_weight_only_mm.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    lib.ascq_weight_only_mm.argtypes += [ctypes.c_void_p, ctypes.c_int] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 5
     lib.ascq_bf16_mm.restype = ctypes.c_int
     lib.ascq_bf16_mm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.ascq_paged_decode_attention.restype = ctypes.c_int
     lib.ascq_paged_decode_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
     lib.ascq_paged_decode_attention.argtypes += [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
     lib.ascq_paged_decode_attention.argtypes += [ctypes.c_float] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    lib.ascq_fused_decode.restype = ctypes.c_int
+    lib.ascq_fused_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
+    lib.ascq_fused_decode.argtypes += [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     return lib
 
 
@@ -113,18 +117,21 @@ def weight_only_mm(
     lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor, bits: int, scales: torch.Tensor,
     zeros: torch.Tensor | None, group_size: int,
 ) -> torch.Tensor:
-    """x [M, K] bf16 or fp32 -> fp32 [M, N]. weight: `pack_w4` output (bits 4) or int8 [N, K] (bits 8); scales and
-    zeros (4 bits: zero point + 8; None: symmetric) contiguous fp32 [N, K/group_size]."""
+    """x [M, K] bf16 or fp32 -> fp32 [M, N]. weight: `pack_w4` output (bits 4) or int8 [N, K] (bits 8); scales
+    [N, K/group_size] fp32 or bf16; zeros the same shape: int8 zero points, or fp32 zu (zero point + 8 at 4 bits);
+    None: symmetric."""
     if torch.compiler.is_compiling():
         return torch.ops.ascq.weight_only_mm(x, weight, bits, scales, zeros, group_size)
     lib = load() if lib is None else lib
     x = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
-    weight, scales = weight.contiguous(), scales.float().contiguous()
-    zeros = None if zeros is None else zeros.float().contiguous()
+    weight = weight.contiguous()
+    scales = (scales if scales.dtype == torch.bfloat16 else scales.float()).contiguous()
+    zeros = None if zeros is None else (zeros if zeros.dtype == torch.int8 else zeros.float()).contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     status = lib.ascq_weight_only_mm(
         x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(), bits, scales.data_ptr(),
-        None if zeros is None else zeros.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1],
+        int(scales.dtype == torch.bfloat16), None if zeros is None else zeros.data_ptr(),
+        int(zeros is not None and zeros.dtype == torch.int8), y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1],
         group_size, torch.get_num_threads(),
     )
     if status != 0:

@@ -39,6 +39,21 @@ static const float *load_row(const void *cache, int dtype, size_t offset, int he
     return buffer;
 }
 
+// q . k summed in one fixed order (8 lanes, then the lanes in a fixed tree, then the tail), whatever the pointers'
+// alignment: a `#pragma omp simd` reduction may peel for alignment, so the same query attended from another buffer
+// (fused_decode.c's) could round differently.
+static inline float dot(const float *q, const float *k, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    float total = _mm_cvtss_f32(s);
+    for (; i < n; i++) total += q[i] * k[i];
+    return total;
+}
+
 // One sequence, one kv head: its `group` query heads attend over the first seq_len cache positions.
 static void attend_one(const float *query, const void *k_cache, const void *v_cache, int dtype,
                        const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int group,
@@ -49,11 +64,7 @@ static void attend_one(const float *query, const void *k_cache, const void *v_ca
         const float *key = load_row(k_cache, dtype, (slot * num_kv_heads + kv_head) * head_dim, head_dim, fp8_values,
                                     k_scale, row);
         for (int g = 0; g < group; g++) {
-            const float *q = query + (size_t)g * head_dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int i = 0; i < head_dim; i++) dot += q[i] * key[i];
-            scores[(size_t)g * seq_len + pos] = dot * scale;
+            scores[(size_t)g * seq_len + pos] = dot(query + (size_t)g * head_dim, key, head_dim) * scale;
         }
     }
     for (int g = 0; g < group; g++) {
@@ -73,6 +84,15 @@ static void attend_one(const float *query, const void *k_cache, const void *v_ca
             for (int i = 0; i < head_dim; i++) o[i] += p * value[i];
         }
     }
+}
+
+// attend_one for callers in other files (fused_decode.c): scores [group * seq_len], row [head_dim] scratch.
+void ascq_attend_one(const float *query, const void *k_cache, const void *v_cache, int dtype,
+                     const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int group, int head_dim,
+                     int block_size, float scale, float k_scale, float v_scale, const float *fp8_values,
+                     float *scores, float *row, float *out) {
+    attend_one(query, k_cache, v_cache, dtype, block_table, seq_len, num_kv_heads, kv_head, group, head_dim,
+               block_size, scale, k_scale, v_scale, fp8_values, scores, row, out);
 }
 
 // query fp32 [B, H, D] -> out fp32 [B, H, D]. Caches [num_blocks, block_size, Hkv, D] of `cache_dtype`

@@ -9,6 +9,7 @@ import time
 import torch
 from torch import nn
 
+from ascq.runtime import fused_decode
 from ascq.runtime.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, unsupported_reason
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.request import Request
@@ -33,6 +34,11 @@ class ModelRunner:
                 self.decode_graphs = DecodeGraphs(model)
                 self.decode_graphs.capture(max_num_seqs, device)
         self.enforce_eager = self.decode_graphs is None
+        self.fused_decode_reason = "decode graphs run instead" if not self.enforce_eager else "turned off"
+        if self.enforce_eager and fused_decode.enabled() and device.type == "cpu":
+            self.fused_decode_reason = fused_decode.attach(model)
+            if self.fused_decode_reason:
+                logger.debug("fused decode off: %s", self.fused_decode_reason)
         # test-only: a deliberate per-step slowdown, so `ascq bench --compare` can be shown to catch regressions
         self.debug_step_delay_s = float(os.environ.get(DEBUG_STEP_DELAY_ENV, "0") or 0) / 1000
 

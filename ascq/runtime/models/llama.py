@@ -101,6 +101,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """`fused_decode`: runs a pure decode step's layers in one native call (set by the model runner; see
+    runtime/fused_decode.py), returning None for steps it does not take."""
+
+    fused_decode: Callable | None = None
+
     def __init__(self, config: dict[str, Any], make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
@@ -110,8 +115,12 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.layers[0].self_attn.rotary_emb.cos_sin(positions, x.dtype) if len(self.layers) else None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta, cos_sin)
+        fused = self.fused_decode(x, cos_sin, meta) if self.fused_decode is not None else None
+        if fused is not None:
+            x, residual = fused
+        else:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, meta, cos_sin)
         x, _ = self.norm(x, residual)
         return x
 

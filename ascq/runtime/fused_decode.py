@@ -1,0 +1,207 @@
+"""Fused decode (CPU): a pure decode step's whole Llama decoder stack in one native call (ascq/kernels/fused_decode.c).
+
+Why: at batch 1 an eager SmolLM2 layer is ~25 torch ops and 5 native calls from Python (~0.8 ms a layer), while
+its int4 weights stream in ~0.1 ms; in one call the step's layers cost what their kernels cost. The C code runs the
+eager path's kernels and rounds to bf16 where eager does, so tokens are the eager path's (tests/test_fused_decode.py).
+
+Used for a step when all of these hold, else the step runs eagerly, unchanged:
+- the model: `DecoderModel` of `DecoderLayer`s with `LlamaMLP` (Llama, Mistral, Qwen2), one rank, the cpu backend
+  with its native library, bf16 activations and KV cache, every linear on the native weight-only kernel (W4A16 /
+  W8A16) or the native bf16 kernel (dense bf16);
+- the step: one token per sequence (`max_query_len == 1`: no prefill, no speculative verification), fewer rows
+  than the linears' native-kernel thresholds (`cpu.DENSE_BF16_MAX_M` with dense layers, else `cpu.NATIVE_MAX_M`).
+On by default in eager mode (`enforce_eager=True`, the CPU default); `ASCQ_FUSED_DECODE=0` (or
+`ASCQ_NATIVE_KERNELS=0`) turns it off, and with decode graphs (`--no-enforce-eager`) the graphs run instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ascq.kernels import cpu, native
+from ascq.runtime.layers.attention import AttentionMetadata
+from ascq.runtime.layers.linear import LinearBase
+from ascq.runtime.models.llama import DecoderLayer, DecoderModel, LlamaMLP
+
+ENV = "ASCQ_FUSED_DECODE"
+KINDS = {"dense": 0}  # native kernels: their bit width
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in ("kind", "n", "k", "group_size", "scales_bf16", "zeros_int8")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("weight", "scales", "zeros", "bias")]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                                  "intermediate", "block_size", "num_cache_blocks")]
+    _fields_ += [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("silu_table", ctypes.c_void_p),
+                 ("layers", ctypes.POINTER(_Layer))]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def silu_table() -> torch.Tensor:
+    """torch's bf16 silu of every bf16 bit pattern, as int16 [65536] indexed by the pattern."""
+    patterns = torch.arange(65536, dtype=torch.int32)
+    patterns = torch.where(patterns >= 32768, patterns - 65536, patterns).to(torch.int16)
+    return F.silu(patterns.view(torch.bfloat16)).view(torch.int16).contiguous()
+
+
+def _linear_reason(linear: LinearBase) -> str | None:
+    p = linear.prepared
+    if linear.backend is not cpu or not isinstance(p, cpu.CpuLinear):
+        return "a linear is not on the cpu backend"
+    if getattr(linear, "tp_size", 1) != 1 or getattr(linear, "global_token_scale", False):
+        return "tensor parallel linears"
+    if p.kernel == "dense" and p.weight.dtype == torch.bfloat16 and p.weight.shape[1] % 16 == 0:
+        return None
+    if p.kernel == "native":
+        return None
+    return f"a linear runs on the {p.kernel!r} kernel (fused decode takes native weight-only and dense bf16 linears)"
+
+
+def _linear_struct(linear: LinearBase) -> tuple[_Linear, int]:
+    """The C view of a prepared linear, and the most rows its eager kernel serves."""
+    p = linear.prepared
+    bias = _ptr(p.bias)
+    if p.kernel == "dense":
+        n, k = p.weight.shape
+        return _Linear(0, n, k, 0, 0, 0, p.weight.data_ptr(), None, None, bias), cpu.DENSE_BF16_MAX_M - 1
+    w = p.packed
+    scales_bf16 = int(w.scales.dtype == torch.bfloat16)
+    zeros_int8 = int(w.zeros is not None and w.zeros.dtype == torch.int8)
+    return (_Linear(p.weights.num_bits, p.out_features, p.weights.in_features, w.group_size, scales_bf16, zeros_int8,
+                    w.packed.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), bias), cpu.NATIVE_MAX_M - 1)
+
+
+def unsupported_reason(model: DecoderModel) -> str | None:
+    """Why `model` cannot run fused decode steps, or None."""
+    if native.load() is None:
+        return "no native kernel library"
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
+        return "activations are not bf16 on the CPU"
+    if getattr(model.embed_tokens, "tp_size", 1) != 1:
+        return "tensor parallel"
+    if not len(model.layers):
+        return "no layers"
+    for layer in model.layers:
+        if type(layer) is not DecoderLayer or type(layer.mlp) is not LlamaMLP:
+            return f"{type(layer).__name__} / {type(getattr(layer, 'mlp', None)).__name__} is not a Llama layer"
+        attn = layer.self_attn
+        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            reason = _linear_reason(linear)
+            if reason:
+                return reason
+        if attn.attn.k_cache.dtype != torch.bfloat16 or attn.attn.v_cache.dtype != torch.bfloat16:
+            return "the KV cache is not bf16"
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(n.weight.dtype != torch.bfloat16 or n.eps != model.layers[0].input_layernorm.eps for n in norms):
+            return "norm weights are not bf16 or norms differ in eps"
+    return None
+
+
+@dataclass
+class _Plan:
+    struct: _Model
+    layers: ctypes.Array  # kept alive: struct.layers points into it
+    caches: list[tuple[torch.Tensor, torch.Tensor]]  # the caches the plan's pointers are for
+    max_rows: int
+
+
+class FusedDecode:
+    """`DecoderModel.fused_decode`: runs a step's layers in one native call, or returns None (the step runs eagerly)."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        self.model = model
+        self.silu = silu_table()
+        self.plan: _Plan | None = None
+
+    def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache) for layer in self.model.layers]
+
+    def _build(self) -> _Plan:
+        layers = self.model.layers
+        structs = (_Layer * len(layers))()
+        max_rows = cpu.NATIVE_MAX_M
+        for layer, s in zip(layers, structs, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                struct, rows = _linear_struct(linear)
+                setattr(s, name, struct)
+                max_rows = min(max_rows, rows)
+            s.input_norm = layer.input_layernorm.weight.data_ptr()
+            s.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            s.k_cache, s.v_cache = attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr()
+        first = layers[0].self_attn
+        k_cache = first.attn.k_cache
+        mlp = layers[0].mlp
+        model = _Model(
+            len(layers), self.model.embed_tokens.weight.shape[1], first.num_heads, first.num_kv_heads, first.head_dim,
+            mlp.down_proj.prepared.weights.in_features, k_cache.shape[1], k_cache.shape[0],
+            layers[0].input_layernorm.eps, first.attn.scale, self.silu.data_ptr(),
+            ctypes.cast(structs, ctypes.POINTER(_Layer)),
+        )
+        return _Plan(model, structs, self._caches(), max_rows)
+
+    def __call__(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x: the step's embeddings [T, hidden] -> (last layer's output, residual), or None where not applicable."""
+        if meta.max_query_len != 1 or x.dtype != torch.bfloat16:
+            return None
+        if self.plan is None or any(a is not k or b is not v for (a, b), (k, v) in zip(self.plan.caches, self._caches(),
+                                                                                      strict=True)):
+            self.plan = self._build()
+        num_rows = x.shape[0]
+        if not 0 < num_rows <= self.plan.max_rows:
+            return None
+        x = x.contiguous()
+        residual = torch.empty_like(x)
+        cos, sin = (t.reshape(num_rows, -1).contiguous() for t in cos_sin)
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        lens = meta.seq_lens.to(torch.int32).contiguous()
+        status = native.load().ascq_fused_decode(
+            ctypes.byref(self.plan.struct), x.data_ptr(), residual.data_ptr(), 1, num_rows, slots.data_ptr(),
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError("fused decode rejected the step (shapes, sequence lengths, slots or block ids)")
+        return x, residual
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def attach(model: torch.nn.Module) -> str | None:
+    """Give the model's `DecoderModel` a `FusedDecode`; returns why not, or None when attached."""
+    decoder = getattr(model, "model", None)
+    if not isinstance(decoder, DecoderModel):
+        return f"{type(model).__name__} has no Llama decoder"
+    reason = unsupported_reason(decoder)
+    if reason is None:
+        decoder.fused_decode = FusedDecode(decoder)
+    return reason
+
+
+def detach(model: torch.nn.Module) -> None:
+    decoder = getattr(model, "model", None)
+    if isinstance(decoder, DecoderModel):
+        decoder.fused_decode = None

