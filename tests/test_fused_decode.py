@@ -135,3 +135,15 @@ def test_opt_in_int8_lm_head_is_close_to_bf16(tiny_llama_dir: Path, monkeypatch:
     assert int8_logits.dtype == torch.float32 and int8_logits.shape == bf16_logits.shape
     error = (int8_logits - bf16_logits).abs().max() / bf16_logits.abs().max()
     assert 0 < error < 0.02, error  # int8 rounding: not the bf16 result, but within ~1 %
+
+
+def test_unknown_switch_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An env switch with a value it does not know is an error, never silently ignored."""
+    from ascq.errors import UnsupportedError
+    from ascq.runtime import fused_decode
+
+    monkeypatch.setenv(fused_decode.ENV, "yes")
+    with pytest.raises(UnsupportedError, match="use 1"):
+        fused_decode.enabled()
+    monkeypatch.setenv(fused_decode.ENV, "0")
+    assert not fused_decode.enabled()

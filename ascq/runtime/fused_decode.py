@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ascq.errors import UnsupportedError
 from ascq.kernels import cpu, native
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.layers.linear import LinearBase
@@ -187,7 +188,10 @@ class FusedDecode:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise UnsupportedError(f"{ENV}={value!r}: use 1 (on, the default) or 0 (off)")
+    return value == "1"
 
 
 def attach(model: torch.nn.Module) -> str | None:

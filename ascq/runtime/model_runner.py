@@ -41,7 +41,10 @@ class ModelRunner:
             self.fused_decode_reason = fused_decode.attach(model)
             if self.fused_decode_reason:
                 logger.debug("fused decode off: %s", self.fused_decode_reason)
-        if os.environ.get(LM_HEAD_QUANT_ENV, "") == "int8":  # opt-in, other logits
+        lm_head_quant = os.environ.get(LM_HEAD_QUANT_ENV, "")
+        if lm_head_quant not in ("", "int8"):
+            raise UnsupportedError(f"{LM_HEAD_QUANT_ENV}={lm_head_quant!r}: the only value is int8 (unset: bf16 head)")
+        if lm_head_quant == "int8":  # opt-in, other logits
             head = getattr(model, "lm_head", None)
             if device.type != "cpu" or not isinstance(head, ParallelLMHead):
                 raise UnsupportedError(f"{LM_HEAD_QUANT_ENV}=int8 needs the cpu backend and a ParallelLMHead")
