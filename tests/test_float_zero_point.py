@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import make_engine
-from test_group_size_fit import CONFIG, _convert, _q4_1_blocked, _quantization_config
+from test_group_size_fit import CONFIG, _convert, _gguf_blocked, _quantization_config
 from test_kernels import independent_linear, rel_error
 from test_runtime_models import reference_greedy_batch, run_greedy
 
@@ -105,7 +105,7 @@ def synthetic(tmp_path_factory) -> Path:
 def q4_1_rtn(synthetic: Path, tmp_path_factory) -> tuple[Path, Path]:
     """(source, its w4a16-rtn entry) of a Q4_1-style source."""
     root = tmp_path_factory.mktemp("fzp")
-    _q4_1_blocked(synthetic, root / "q4_1")
+    _gguf_blocked(synthetic, root / "q4_1", "Q4_1")
     return root / "q4_1", _convert(root / "q4_1", "w4a16-rtn", root / "rtn")
 
 

@@ -141,23 +141,8 @@ def test_gguf_block_quantized_source_gets_its_block_as_group_size(source: Path, 
     """Weights on one int4 grid per 32-column block (as a GGUF Q4_0 import holds them, w = d·(q - 8)): the recipe's
     128 (fitted 64 for these widths) would mix two blocks' grids in a group; on the source's blocks round-to-nearest
     gives every weight back exactly, and the manifest, summary and card say why the group size is 32."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     blocked = tmp_path / "blocked"
-    shutil.copytree(source, blocked)
-    tensors = load_file(blocked / "model.safetensors")
-    generator = torch.Generator().manual_seed(1)
-    for name, w in tensors.items():
-        if name.endswith(tuple(f"{lin}.weight" for lin in LINEARS)):
-            rows, cols = w.shape
-            q = torch.randint(0, 16, (rows, cols // 32, 32), generator=generator)
-            q[..., 0], q[..., 1] = 0, 15  # every block spans its whole grid (min-max scale = d)
-            d = 2.0 ** -torch.randint(6, 9, (rows, cols // 32, 1), generator=generator).float()
-            tensors[name] = ((q - 8) * d).reshape(rows, cols).to(w.dtype)
-    save_file(tensors, blocked / "model.safetensors")
-    (blocked / "ascq.json").write_text(json.dumps({"name": "blocked", "source": {"gguf": {"quantization_type": "Q4_0"}}}))
+    tensors = _gguf_blocked(source, blocked, "Q4_0")
     entry = convert(ConvertOptions(str(blocked), ["w4a16-rtn"], out=tmp_path / "rtn", num_samples=2, seq_len=32,
                                    max_eval_tokens=256, progress=False))
     assert _quantization_config(entry)["config_groups"]["group_0"]["weights"]["group_size"] == 32
@@ -170,10 +155,12 @@ def test_gguf_block_quantized_source_gets_its_block_as_group_size(source: Path, 
         assert not torch.equal(_plain_rtn(tensors[f"{name}.weight"], 64, torch.bfloat16), w), name  # g64 is lossy
 
 
-def _q4_1_blocked(source: Path, dest: Path, quantization_type: str = "Q4_1") -> dict[str, torch.Tensor]:
-    """`source` with every linear's weight on a Q4_1-style grid, w = d·k + m per 32-column block (k in 0..15, d a
-    power of two, m = -d·(j + f) with a fractional f: a float minimum an integer zero point cannot hold; every value
-    exact in bf16), and an ascq.json naming the GGUF type. Returns the written tensors."""
+def _gguf_blocked(source: Path, dest: Path, quantization_type: str) -> dict[str, torch.Tensor]:
+    """`source` with every linear's weight on a GGUF-style grid per 32-column block (k in 0..15, d a power of two,
+    every block spanning its whole grid so min-max scale = d; every value exact in bf16), and an ascq.json naming
+    the GGUF type. Q4_0: w = d·(k - 8), which an integer zero point holds. Otherwise Q4_1-style: w = d·k + m with
+    m = -d·(j + f) and a fractional f, a float minimum an integer zero point cannot hold. Returns the written
+    tensors."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -185,10 +172,13 @@ def _q4_1_blocked(source: Path, dest: Path, quantization_type: str = "Q4_1") -> 
         if name.endswith(tuple(f"{lin}.weight" for lin in LINEARS)):
             rows, cols = w.shape
             k = torch.randint(0, 16, (rows, cols // 32, 32), generator=generator).float()
-            k[..., 0], k[..., 1] = 0, 15  # every block spans its whole grid (min-max scale = d, min = m)
+            k[..., 0], k[..., 1] = 0, 15
             d = 2.0 ** -torch.randint(6, 9, (rows, cols // 32, 1), generator=generator).float()
-            frac = torch.tensor([0.25, 0.5, 0.75])[torch.randint(0, 3, (rows, cols // 32, 1), generator=generator)]
-            m = -d * (torch.randint(1, 14, (rows, cols // 32, 1), generator=generator) + frac)
+            if quantization_type == "Q4_0":
+                m = -8 * d
+            else:
+                frac = torch.tensor([0.25, 0.5, 0.75])[torch.randint(0, 3, (rows, cols // 32, 1), generator=generator)]
+                m = -d * (torch.randint(1, 14, (rows, cols // 32, 1), generator=generator) + frac)
             tensors[name] = (d * k + m).reshape(rows, cols).to(w.dtype)
             assert torch.equal(tensors[name].float(), (d * k + m).reshape(rows, cols))  # exact in bf16
     save_file(tensors, dest / "model.safetensors")
@@ -199,7 +189,7 @@ def _q4_1_blocked(source: Path, dest: Path, quantization_type: str = "Q4_1") -> 
 @pytest.fixture(scope="module")
 def q4_1_source(source: Path, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     dest = tmp_path_factory.mktemp("q4_1") / "q4_1"
-    return dest, _q4_1_blocked(source, dest)
+    return dest, _gguf_blocked(source, dest, "Q4_1")
 
 
 def _convert(model: Path, recipe: str, out: Path) -> Path:
