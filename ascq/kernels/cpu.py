@@ -111,14 +111,21 @@ def _int4pack_group_size(w: QuantLinearWeights) -> int | None:
     return next((g for g in INT4PACK_GROUP_SIZES if w.in_features % g == 0), None)
 
 
+def native_per_channel_group_size(in_features: int, num_bits: int) -> int | None:
+    """The group size the native kernel runs a per-channel weight with: the largest multiple of 32 up to its
+    maximum that divides in_features (None: in_features is not a multiple of 32)."""
+    if in_features % 32:
+        return None
+    return next(g for g in range(min(in_features, native.MAX_GROUP_SIZE[num_bits]), 0, -32) if in_features % g == 0)
+
+
 def _native_group_size(w: QuantLinearWeights) -> int | None:
-    """The group size the native kernel runs `w` with (per channel: the largest fitting divisor of in_features)."""
-    max_group = native.MAX_GROUP_SIZE[w.num_bits]
+    """The group size the native kernel runs `w` with (per channel: `native_per_channel_group_size`)."""
     if w.in_features % 32:
         return None
     if w.group_size is not None and w.group_size != w.in_features:
-        return w.group_size if w.group_size % 32 == 0 and w.group_size <= max_group else None
-    return next(g for g in range(min(w.in_features, max_group), 0, -32) if w.in_features % g == 0)
+        return w.group_size if w.group_size % 32 == 0 and w.group_size <= native.MAX_GROUP_SIZE[w.num_bits] else None
+    return native_per_channel_group_size(w.in_features, w.num_bits)
 
 
 def _choose_kernel(w: QuantLinearWeights, dtype: torch.dtype) -> str:

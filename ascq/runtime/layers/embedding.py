@@ -48,8 +48,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         q = torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous()
         k = w.shape[1]
-        group = next((g for g in range(min(k, native.MAX_GROUP_SIZE[8]), 0, -32) if k % g == 0), None)
-        if k % 32 or group is None or native.load() is None:
+        group = cpu.native_per_channel_group_size(k, 8)
+        if group is None or native.load() is None:
             raise ValueError(f"int8 LM head needs the native kernels and hidden size % 32 == 0 (got {k})")
         self.int8 = (q, scale.repeat_interleave(k // group, 1).contiguous(), group)
 
