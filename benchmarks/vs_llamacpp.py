@@ -181,6 +181,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: never leave llama-server behind
     specs = dict(item.split("=", 1) for item in args.ascq)
+    unknown = sorted(set(args.no_fused + args.lm_head_int8) - set(specs))
+    if unknown:
+        parser.error(f"--no-fused / --lm-head-int8 name no --ascq candidate: {', '.join(unknown)}")
     batched_name = args.batched or next(iter(specs))
     server = LlamaServer(args.llama_server, args.gguf, args.threads, args.concurrency, args.concurrency * 768)
     try:
