@@ -173,6 +173,10 @@ def driver(args: argparse.Namespace) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     source = work / "source"  # the fixture without its manifest: ascq then skips its own before/after eval
+    marker = work / ".compare_llmcompressor"  # this script's scratch folder: only then is its old source replaced
+    if any(work.iterdir()) and not marker.exists():
+        sys.exit(f"--work {work} is not empty and was not made by this script; give an empty or new folder")
+    marker.touch()
     shutil.rmtree(source, ignore_errors=True)
     shutil.copytree(fixture, source, ignore=shutil.ignore_patterns("ascq.json"))
     tokenizer = AutoTokenizer.from_pretrained(fixture)
