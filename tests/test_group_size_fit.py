@@ -218,3 +218,8 @@ def test_float_min_source_kept_exactly_by_float_zero_points(recipe: str, q4_1_so
     assert zp == {"BF16"} and all(d == "I8" for n, (d, _) in infos.items() if n.endswith(".weight") and "proj" in n)
     for name, w in _transformers_weights(entry).items():
         torch.testing.assert_close(w, tensors[f"{name}.weight"].float(), rtol=0, atol=0, msg=name)
+    if recipe == "awq-int4":  # on the source's grid AWQ searches no scales (awq_modifier: s = 1 there)
+        layers = read_manifest(entry)["conversion"]["layers"].values()
+        assert all(not layer["awq"]["alpha"] for layer in layers)
+        skipped = [s for layer in layers for s in layer["awq"]["skipped"]]
+        assert skipped and all("on the source's quantization grid" in s or "v_proj" in s for s in skipped), skipped

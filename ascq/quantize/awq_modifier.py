@@ -9,8 +9,13 @@ Balance groups: the architecture's mappings (`architectures.LLAMA_MAPPINGS`, `DE
   the scales too, which are then powers of two: norm and router weights are rescaled exactly in any float dtype
   and the router's logits, hence the routing, are bit for bit those of the source checkpoint);
   up_proj -> down_proj for the dense MLP, each routed expert and the shared experts.
-Experts with fewer routed calibration tokens than `min_expert_tokens` are calibrated on all tokens passed through
-them densely (`moe_coverage`). After the scales, the clip search runs on every quantized linear except q/k.
+A group whose linears are re-quantized onto the grid their source checkpoint was quantized on
+(`qmath.keeps_source_grid`: a GGUF Q4_1 / K-quant import at its block size with float zero points) keeps s = 1:
+round-to-nearest already gives back the source's weights and any scaling moves them off that grid (on SmolLM2's
+Q4_1 import the search's one non-identity pick, α = 0.95 in one layer, lowered the calibration loss and raised the
+held-out perplexity); the clip search still runs there. Experts with fewer routed calibration tokens than
+`min_expert_tokens` are calibrated on all tokens passed through them densely (`moe_coverage`). After the scales,
+the clip search runs on every quantized linear except q/k.
 
 Recipe (llm-compressor's shape): `AWQModifier: {scheme: W4A16_ASYM, ignore: [...], duo_scaling: true, n_grid: 20}`.
 Without `scheme`/`config_groups` it only transforms the weights, and a later quantizing modifier (GPTQ, RTN) owns
@@ -143,6 +148,9 @@ class AWQModifier(Modifier):
         ones = torch.ones(ctx.module(linears[0]).weight.shape[1])
         if not all(n in ctx.targets for n in linears):
             report["skipped"].append(f"{group.smooth_layer} (not every linear is quantized)")
+            return ones
+        if all(ctx.keeps_source_grid(n) for n in linears):  # any s != 1 moves the weights off the source's grid
+            report["skipped"].append(f"{group.smooth_layer} (weights on the source's quantization grid)")
             return ones
         modules = [ctx.module(n) for n in linears]
         block_module = ctx.module(group.block)

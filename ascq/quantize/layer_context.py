@@ -12,6 +12,7 @@ from torch import nn
 
 from ascq.quantize.architectures import Architecture, KVHook
 from ascq.quantize.modifier import QuantizedLinear
+from ascq.quantize.qmath import keeps_source_grid
 from ascq.quantize.schemes import LinearTarget
 
 # hook(module, args, output), registered as a forward hook for one `run`
@@ -27,12 +28,18 @@ class LayerContext:
     inputs: list[torch.Tensor]  # calibration hidden states, fp32 [batch, seq, hidden] chunks
     targets: dict[str, LinearTarget]
     scale_dtype: torch.dtype
+    source_block_size: int | None = None  # the source checkpoint's quantization block (`qmath.source_block_size`)
+    source_float_min: bool = False  # its blocks have float minima (`qmath.source_has_float_min`)
     results: dict[str, QuantizedLinear] = dataclasses.field(default_factory=dict)
     extra_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     report: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def module(self, name: str) -> nn.Module:
         return self.layer.get_submodule(name)
+
+    def keeps_source_grid(self, name: str) -> bool:
+        """Whether the target linear `name` is re-quantized onto its source's own grid (`qmath.keeps_source_grid`)."""
+        return keeps_source_grid(self.targets[name].weights, self.source_block_size, self.source_float_min)
 
     def position_ids(self, seq_len: int) -> torch.Tensor:
         return torch.arange(seq_len, device=self.inputs[0].device)[None]

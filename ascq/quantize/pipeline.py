@@ -190,7 +190,8 @@ def convert_layer(job: LayerJob, state: StreamState, index: int) -> None:
     state.fallbacks.update(layer_fallbacks)
     state.fallback_targets.update({prefix + n: t for n, t in targets.items() if prefix + n in layer_fallbacks})
     state.eval_fp = _forward_all(arch, layer, state.eval_fp)
-    ctx = LayerContext(index, prefix, arch, layer, state.inputs, targets, job.scale_dtype)
+    ctx = LayerContext(index, prefix, arch, layer, state.inputs, targets, job.scale_dtype, job.source_block_size,
+                       job.source_float_min)
     for modifier in job.recipe.modifiers:
         modifier.process_layer(ctx)
     missing = sorted(set(targets) - set(ctx.results))

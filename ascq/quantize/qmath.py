@@ -132,6 +132,13 @@ def source_has_float_min(source_manifest: dict | None) -> bool:
     return _gguf_type(source_manifest) in GGUF_FLOAT_MIN_TYPES
 
 
+def keeps_source_grid(args: QuantizationArgs, block_size: int | None, float_min: bool) -> bool:
+    """Whether quantizing with `args` reproduces the grid of a source quantized in blocks of `block_size` columns
+    with a float minimum each (`source_has_float_min`): float zero points, one group per source block. Round-to-
+    nearest then gives back the source's values (up to the scale dtype's rounding)."""
+    return float_min and float_zero_point(args) and args.strategy == "group" and args.group_size == block_size
+
+
 def block_aligned_group_size(group_size: int, in_features: Iterable[int], block_size: int | None) -> int | None:
     """`fitted_group_size`, then, for a source quantized in blocks of `block_size` columns that is smaller and
     divides every width, that block size (never coarser than the recipe's, never below MIN_FITTED_GROUP_SIZE)."""
