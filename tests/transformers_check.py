@@ -3,6 +3,7 @@ ascq's reference forward: shared by the converter and W4 tests."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -11,8 +12,23 @@ from ascq.evaluate import eval_windows, load_eval_token_ids
 from ascq.quantize.reference_forward import reference_logits
 
 
+def _dynamic_activations(entry: Path) -> bool:
+    groups = json.loads((entry / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    return any((g.get("input_activations") or {}).get("dynamic") for g in groups)
+
+
+def _fp8_kv(entry: Path) -> bool:
+    return json.loads((entry / "config.json").read_text())["quantization_config"].get("kv_cache_scheme") is not None
+
+
 def assert_transformers_matches_reference(entry: Path, base_dir: Path, num_windows: int = 4) -> None:
-    """On `num_windows` x 256 held-out tokens: max |logit diff| <= 1e-3 of the logit range, top-1 agreement >= 99 %."""
+    """On `num_windows` x 256 held-out tokens: max |logit diff| <= 1e-3 of the logit range, top-1 agreement >= 99 %.
+
+    Dynamic per-token int8 activations are quantized by compressed-tensors' fake quantization in transformers with
+    scale absmax / 127.5 and by ascq (and vLLM's kernels, the rule served) with absmax / 127: the two round some
+    activations to neighbouring codes, so for those checkpoints the bound is 1e-3 of the range on the mean |diff|
+    and 1e-2 on the max (2e-2 with an fp8 KV cache, whose codes flip the same way); the weights, read back by
+    compressed-tensors, are compared exactly elsewhere (test_group_size_fit)."""
     from transformers import AutoModelForCausalLM
 
     ids = eval_windows(load_eval_token_ids(base_dir), 256)[:num_windows]
@@ -21,5 +37,10 @@ def assert_transformers_matches_reference(entry: Path, base_dir: Path, num_windo
         hf_logits = model(ids).logits
     ours = reference_logits(entry, ids)
     logit_range = (ours.max() - ours.min()).item()
-    assert (hf_logits - ours).abs().max().item() <= 1e-3 * logit_range
+    diff = (hf_logits - ours).abs()
+    if _dynamic_activations(entry):
+        assert diff.mean().item() <= 1e-3 * logit_range
+        assert diff.max().item() <= (2e-2 if _fp8_kv(entry) else 1e-2) * logit_range
+    else:
+        assert diff.max().item() <= 1e-3 * logit_range
     assert (hf_logits.argmax(-1) == ours.argmax(-1)).float().mean().item() >= 0.99

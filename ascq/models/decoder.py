@@ -118,7 +118,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, rms_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids, kv_hook)
+        return self.mlp_block(self.attention_block(hidden_states, position_ids, kv_hook))
+
+    def attention_block(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
+        """The first residual half: hidden + self_attn(input_layernorm(hidden))."""
+        return hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids, kv_hook)
+
+    def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The second residual half: hidden + mlp(post_attention_layernorm(hidden))."""
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 

@@ -66,6 +66,25 @@ DEEPSEEK_MOE_MAPPINGS = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerBlock:
+    """One residual half of a decoder layer (`DecoderLayer.attention_block` / `mlp_block`): the modules it runs
+    (names relative to the layer, with everything under them). The converter calibrates, quantizes and propagates
+    one block at a time, so the MLP half is calibrated on what the quantized attention half produces."""
+
+    name: str  # "attention" or "mlp"
+    modules: tuple[str, ...]
+
+    def contains(self, module_name: str) -> bool:
+        return any(module_name == m or module_name.startswith(m + ".") for m in self.modules)
+
+
+DECODER_BLOCKS = (
+    LayerBlock("attention", ("input_layernorm", "self_attn")),
+    LayerBlock("mlp", ("post_attention_layernorm", "mlp")),
+)
+
+
 def module_matches(pattern: str, name: str) -> bool:
     """`re:REGEX` (full match) or the exact relative module name."""
     return re.fullmatch(pattern[3:], name) is not None if pattern.startswith("re:") else name == pattern
@@ -105,6 +124,7 @@ def _common_parent(names: list[str]) -> str:
 
 class Architecture:
     model_type: str
+    blocks: tuple[LayerBlock, ...] = DECODER_BLOCKS  # the layer's residual halves, in order (`forward_block`)
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
@@ -127,6 +147,14 @@ class Architecture:
     ) -> torch.Tensor:
         """One decoder layer on hidden [batch, seq, hidden] at position_ids [1 or batch, seq]."""
         return layer(hidden, position_ids, kv_hook)
+
+    def forward_block(
+        self, layer: nn.Module, block: LayerBlock, hidden: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None
+    ) -> torch.Tensor:
+        """One residual half (`DECODER_BLOCKS`) of a decoder layer; the two in order equal `forward_layer`."""
+        if block.name == "attention":
+            return layer.attention_block(hidden, position_ids, kv_hook)
+        return layer.mlp_block(hidden)
 
     def build_layer(self, index: int, state: dict[str, torch.Tensor]) -> nn.Module:
         """The decoder layer with the given (prefix-stripped) weights, in eval mode."""

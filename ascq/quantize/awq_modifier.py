@@ -32,7 +32,7 @@ from torch import nn
 
 from ascq.quantize import awq, qmath
 from ascq.quantize.architectures import BalanceGroup
-from ascq.quantize.input_capture import InputCapture, replay
+from ascq.quantize.input_capture import replay
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
 from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, CoverageLog, dense_mlp_inputs, num_tokens
@@ -92,18 +92,17 @@ class AWQModifier(Modifier):
 
     @torch.no_grad()
     def process_layer(self, ctx: LayerContext) -> None:
-        groups = ctx.arch.balance_groups(ctx.index, ctx.layer)
-        experts = ctx.arch.expert_names(ctx.layer)
+        groups = ctx.balance_groups()
+        experts = ctx.expert_names()
         capture_names = list(dict.fromkeys([*(g.block for g in groups), *experts, *ctx.targets]))
-        with InputCapture(ctx.layer, capture_names) as cap:
-            ctx.run()
+        cap = ctx.capture_inputs(capture_names)
         coverage = self.coverage.layer(ctx.prefix, {e: num_tokens(cap.inputs(e)) for e in experts})
         # what each module reads, updated as scales are folded (the clip search needs the scaled inputs)
         inputs = {name: cap.inputs(name) for name in capture_names}
         for expert in (e for e in experts if coverage.needs_dense(e)):
             dense = dense_mlp_inputs(ctx.module(expert), inputs["mlp"])
             inputs.update({f"{expert}.{proj}": x for proj, x in dense.items() if f"{expert}.{proj}" in inputs})
-        report: dict[str, Any] = {"alpha": {}, "skipped": []}
+        report: dict[str, Any] = ctx.report.setdefault("awq", {"alpha": {}, "skipped": []})  # shared by the blocks
         for group in groups:
             if group.skip_reason is not None:
                 report["skipped"].append(f"{group.smooth_layer}->{group.balance_layers[0]} ({group.skip_reason})")
@@ -127,7 +126,6 @@ class AWQModifier(Modifier):
             self._quantize(ctx)
         if experts:
             report["expert_coverage"] = coverage.report()
-        ctx.report["awq"] = report
 
     def _fake_quantize(self, ctx: LayerContext, name: str):
         args = ctx.targets[name].weights

@@ -86,7 +86,7 @@ class HessianAccumulator:
 
 @contextlib.contextmanager
 def single_thread() -> Iterator[None]:
-    """torch ops on one thread. GPTQ's are small (one column at a time, factorising a ≤ in × in matrix), and two
+    """torch ops on one thread. GPTQ's column loop runs small ones (one column at a time), and two
     OpenMP threads meeting at a barrier after each cost more than they save: 2-10x slower on a loaded 2-core
     machine, bit-identical results."""
     threads = torch.get_num_threads()
@@ -97,29 +97,23 @@ def single_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _quantize_column(
-    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, q_min: int, q_max: int, float_zero: bool = False
-) -> torch.Tensor:
-    q = torch.round(w / scale + zero) if float_zero else torch.round(w / scale) + zero
-    return (torch.clamp(q, q_min, q_max) - zero) * scale
-
-
 def _inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> torch.Tensor:
-    h = hessian.clone()
-    damp = dampening_frac * torch.mean(torch.diag(h))
-    h.diagonal().add_(damp)
+    """The upper Cholesky factor U of (H + λI)⁻¹ (so (H + λI)⁻¹ = Uᵀ U), from one factorisation: with J the
+    index reversal and J (H + λI) J = L Lᵀ, U = J L⁻¹ J (an upper triangle with a positive diagonal). Same U as
+    cholesky(cholesky_inverse(cholesky(H + λI)), upper) up to rounding, at 2/5 of the flops."""
+    h = hessian.flip(0, 1)
+    h.diagonal().add_(dampening_frac * torch.mean(torch.diag(hessian)))
     factor, info = torch.linalg.cholesky_ex(h)
     if info.item() != 0:
         raise CholeskyError("H + damping is not positive definite")
-    h_inv = torch.cholesky_inverse(factor)
-    upper, info = torch.linalg.cholesky_ex(h_inv, upper=True)
-    if info.item() != 0 or not torch.isfinite(upper).all():
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    upper = torch.linalg.solve_triangular(factor, eye, upper=False).flip(0, 1)
+    if not torch.isfinite(upper).all():
         raise CholeskyError("inverse Hessian is not positive definite")
     return upper
 
 
 @torch.no_grad()
-@single_thread()
 def gptq_quantize(
     weight: torch.Tensor, hessian: torch.Tensor, qparams: QParams, q_range: tuple[int, int], config: GPTQConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,7 +141,8 @@ def gptq_quantize(
         perm = torch.argsort(torch.diag(h), descending=True)
         w, h = w[:, perm], h[perm][:, perm]
     u = _inverse_hessian_factor(h, config.dampening_frac)
-    _solve(w, u, scales, zeros, qparams, [p // group for p in perm.tolist()], group, q_range, config)
+    with single_thread():
+        _solve(w, u, scales, zeros, qparams, [p // group for p in perm.tolist()], group, q_range, config)
     if config.actorder:
         w = w[:, torch.argsort(perm)]
     return w, scales, zeros
@@ -155,26 +150,36 @@ def gptq_quantize(
 
 def _solve(w: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, qparams: QParams,
            group_of: list[int], group: int, q_range: tuple[int, int], config: GPTQConfig) -> None:
-    """The column loop, in place on `w` (and on `scales`/`zeros` without act-order)."""
-    in_dim = w.shape[1]
+    """The column loop, in place on `w` (and on `scales`/`zeros` without act-order). It works on wᵀ, where a
+    column of w is a contiguous row, with in-place kernels: its cost is per-column dispatch, not arithmetic."""
+    wt = w.t().contiguous()  # [in, out]
+    in_dim = wt.shape[0]
     q_min, q_max = q_range
+    scales_t, zeros_t = scales.t().contiguous(), zeros.t().contiguous()  # [groups, out]
+    q = torch.empty(wt.shape[1])
     for start in range(0, in_dim, config.block_size):
         end = min(start + config.block_size, in_dim)
-        w_block = w[:, start:end].clone()
-        q_block = torch.zeros_like(w_block)
-        err_block = torch.zeros_like(w_block)
+        w_block = wt[start:end]  # updated in place; its rows are replaced by their quantized values below
+        err_block = torch.empty_like(w_block)
         u_block = u[start:end, start:end]
         for i in range(end - start):
             col = start + i
             g = group_of[col]
             if not config.actorder and col % group == 0:  # the group's columns as updated so far
-                upcoming = torch.cat([w_block[:, i:], w[:, end:]], dim=1)[:, :group]
-                scales[:, g : g + 1], zeros[:, g : g + 1] = qparams(upcoming)
-            column = w_block[:, i]
-            q = _quantize_column(column, scales[:, g], zeros[:, g], q_min, q_max, config.float_zero_point)
-            q_block[:, i] = q
-            err = (column - q) / u_block[i, i]
-            w_block[:, i:] -= err[:, None] * u_block[i, i:][None, :]
-            err_block[:, i] = err
-        w[:, start:end] = q_block
-        w[:, end:] -= err_block @ u[start:end, end:]
+                scale, zero = qparams(wt[col : col + group].t())
+                scales_t[g], zeros_t[g] = scale[:, 0], zero[:, 0]
+            row, scale, zero = w_block[i], scales_t[g], zeros_t[g]
+            torch.div(row, scale, out=q)
+            if config.float_zero_point:  # as qmath.quantize: round(w / scale + zero) or round(w / scale) + zero
+                q.add_(zero).round_()
+            else:
+                q.round_().add_(zero)
+            q.clamp_(q_min, q_max).sub_(zero).mul_(scale)
+            err = torch.sub(row, q, out=err_block[i]).div_(u_block[i, i])
+            w_block[i + 1 :].addr_(u_block[i, i + 1 :], err, alpha=-1)
+            row.copy_(q)
+        wt[end:].sub_(u[start:end, end:].t() @ err_block)
+    w.copy_(wt.t())
+    if not config.actorder:
+        scales.copy_(scales_t.t())
+        zeros.copy_(zeros_t.t())

@@ -19,7 +19,6 @@ from compressed_tensors.quantization import QuantizationArgs
 
 from ascq.quantize import qmath
 from ascq.quantize.gptq import CholeskyError, GPTQConfig, GramCache, HessianAccumulator, gptq_quantize
-from ascq.quantize.input_capture import InputCapture
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
 from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, CoverageLog, dense_mlp_inputs
@@ -95,10 +94,9 @@ class GPTQModifier(Modifier):
             return
         cache = GramCache()  # linears reading the same input share its x xᵀ
         hessians = {n: HessianAccumulator(ctx.module(n).weight.shape[1], cache) for n in owned}
-        experts = ctx.arch.expert_names(ctx.layer)
+        experts = ctx.expert_names()
         capture = ["mlp"] if experts else []
-        with InputCapture(ctx.layer, [*owned, *capture], {n: h.add for n, h in hessians.items()}) as cap:
-            ctx.run()
+        cap = ctx.capture_inputs([*owned, *capture], {n: h.add for n, h in hessians.items()})
         if experts:
             counts = {e: hessians[f"{e}.up_proj"].num_tokens if f"{e}.up_proj" in hessians else 0 for e in experts}
             coverage = self.coverage.layer(ctx.prefix, counts)

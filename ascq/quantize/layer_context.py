@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascq.quantize.architectures import Architecture, KVHook
+from ascq.quantize.architectures import Architecture, BalanceGroup, KVHook, LayerBlock
+from ascq.quantize.input_capture import InputCapture
 from ascq.quantize.modifier import QuantizedLinear
 from ascq.quantize.qmath import keeps_source_grid
 from ascq.quantize.schemes import LinearTarget
@@ -30,6 +31,7 @@ class LayerContext:
     scale_dtype: torch.dtype
     source_block_size: int | None = None  # the source checkpoint's quantization block (`qmath.source_block_size`)
     source_float_min: bool = False  # its blocks have float minima (`qmath.source_has_float_min`)
+    block: LayerBlock | None = None  # the residual half being converted (None: the whole layer)
     results: dict[str, QuantizedLinear] = dataclasses.field(default_factory=dict)
     extra_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     report: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -41,16 +43,59 @@ class LayerContext:
         """Whether the target linear `name` is re-quantized onto its source's own grid (`qmath.keeps_source_grid`)."""
         return keeps_source_grid(self.targets[name].weights, self.source_block_size, self.source_float_min)
 
+    def in_block(self, name: str) -> bool:
+        """Whether module `name` runs in the block being converted."""
+        return self.block is None or self.block.contains(name)
+
+    def balance_groups(self) -> list[BalanceGroup]:
+        """The architecture's balance groups whose smoothing layer runs in this block (each lies in one block)."""
+        return [g for g in self.arch.balance_groups(self.index, self.layer) if self.in_block(g.smooth_layer)]
+
+    def expert_names(self) -> list[str]:
+        return [e for e in self.arch.expert_names(self.layer) if self.in_block(e)]
+
     def position_ids(self, seq_len: int) -> torch.Tensor:
         return torch.arange(seq_len, device=self.inputs[0].device)[None]
 
+    def forward(self, x: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
+        """One calibration sample through the block (the whole layer when `block` is None)."""
+        if self.block is None:
+            return self.arch.forward_layer(self.layer, x, self.position_ids(x.shape[1]), kv_hook=kv_hook)
+        return self.arch.forward_block(self.layer, self.block, x, self.position_ids(x.shape[1]), kv_hook=kv_hook)
+
     @torch.no_grad()
     def run(self, hooks: dict[str, Hook] | None = None, kv_hook: KVHook | None = None) -> list[torch.Tensor]:
-        """Forward every calibration sample through the layer; `hooks` are active for this call only."""
+        """Forward every calibration sample through the block; `hooks` are active for this call only."""
         with registered_hooks(self.layer, hooks or {}):
-            return [
-                self.arch.forward_layer(self.layer, x, self.position_ids(x.shape[1]), kv_hook=kv_hook) for x in self.inputs
-            ]
+            return [self.forward(x, kv_hook) for x in self.inputs]
+
+    @torch.no_grad()
+    def capture_inputs(self, names: list[str], on_input: dict[str, Callable[[torch.Tensor], None]] | None = None) -> InputCapture:
+        """`InputCapture` of the named modules over every calibration sample. A sample's forward stops once each
+        named module has received its input (their outputs are not needed: e.g. down_proj is not computed)."""
+        pending: set[str] = set()
+
+        def stopping(name: str):
+            def pre_hook(module: nn.Module, args: tuple) -> None:
+                pending.discard(name)
+                if not pending:
+                    raise _StopForward
+
+            return pre_hook
+
+        with InputCapture(self.layer, names, on_input) as capture:
+            handles = [self.layer.get_submodule(n).register_forward_pre_hook(stopping(n)) for n in names]
+            try:
+                for x in self.inputs:
+                    pending.update(names)
+                    try:
+                        self.forward(x)
+                    except _StopForward:
+                        pass
+            finally:
+                for handle in handles:
+                    handle.remove()
+        return capture
 
     @torch.no_grad()
     def observe(self, hooks: dict[str, Hook]) -> None:
@@ -72,7 +117,7 @@ class LayerContext:
             for x in self.inputs:
                 pending.update(hooks)
                 try:
-                    self.arch.forward_layer(self.layer, x, self.position_ids(x.shape[1]))
+                    self.forward(x)
                 except _StopForward:
                     pass
 

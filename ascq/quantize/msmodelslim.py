@@ -94,6 +94,8 @@ class KVCacheInt8Modifier(Modifier):
 
     @torch.no_grad()
     def process_layer(self, ctx: LayerContext) -> None:
+        if not ctx.in_block("self_attn"):
+            return
         maxima: dict[str, torch.Tensor] = {}
 
         def observe(key: torch.Tensor, value: torch.Tensor):  # [batch, kv_heads, seq, head_dim]

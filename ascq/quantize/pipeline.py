@@ -25,9 +25,10 @@ from ascq.errors import AscqError
 from ascq.evaluate import eval_windows, perplexity
 from ascq.formats.safetensors import CheckpointReader
 from ascq.models.layout import decoder_linears
-from ascq.quantize.architectures import Architecture
+from ascq.quantize.architectures import Architecture, LayerBlock
 from ascq.quantize.ct_writer import ShardWriter, quantization_config
 from ascq.quantize.layer_context import LayerContext
+from ascq.quantize.modifier import QuantizedLinear
 from ascq.quantize.qmath import linear_group_size
 from ascq.quantize.recipe import ComposedRecipe
 from ascq.quantize.reference_forward import fp8_kv_hook, install_quantized, rms_norm
@@ -119,24 +120,41 @@ def _batches(embed: torch.Tensor, ids: torch.Tensor, device: str) -> list[torch.
     return [embed[chunk].float().to(device) for chunk in ids.split(BATCH_SIZE)]
 
 
-def _forward_all(arch: Architecture, layer: nn.Module, batches: list[torch.Tensor], kv_hook=None) -> list[torch.Tensor]:
-    return [arch.forward_layer(layer, x, torch.arange(x.shape[1], device=x.device)[None], kv_hook=kv_hook) for x in batches]
+def _forward_all(
+    arch: Architecture, layer: nn.Module, batches: list[torch.Tensor], kv_hook=None, block: LayerBlock | None = None
+) -> list[torch.Tensor]:
+    """Every batch through the layer, or through one of its residual halves."""
+    outputs = []
+    for x in batches:
+        position_ids = torch.arange(x.shape[1], device=x.device)[None]
+        if block is None:
+            outputs.append(arch.forward_layer(layer, x, position_ids, kv_hook=kv_hook))
+        else:
+            outputs.append(arch.forward_block(layer, block, x, position_ids, kv_hook=kv_hook))
+    return outputs
 
 
-def _write_layer(writer: ShardWriter, prefix: str, layer: nn.Module, ctx: LayerContext, dtype: torch.dtype) -> None:
-    quantized = set(ctx.results)
+def _is_quantized(key: str, quantized: dict[str, QuantizedLinear]) -> bool:
+    owner, leaf = key.rsplit(".", 1)
+    return owner in quantized and leaf in ("weight", "bias")
+
+
+def _round_as_written(layer: nn.Module, block: LayerBlock, dtype: torch.dtype) -> None:
+    """The block's full-precision tensors (norms, router, biases) rounded to the written dtype in place: the
+    propagated layer uses what will be written."""
     for key, tensor in layer.state_dict().items():
-        owner, leaf = key.rsplit(".", 1)
-        if owner in quantized and leaf in ("weight", "bias"):
-            continue
-        writer.add(prefix + key, tensor.to(dtype))
-        tensor.data.copy_(tensor.to(dtype))  # the propagated layer uses what was written
-    for name in sorted(quantized):
+        if block.contains(key.rsplit(".", 1)[0]):
+            tensor.data.copy_(tensor.to(dtype))
+
+
+def _write_layer(writer: ShardWriter, prefix: str, layer: nn.Module, targets: dict[str, LinearTarget], ctx: LayerContext,
+                 dtype: torch.dtype) -> None:
+    for key, tensor in layer.state_dict().items():
+        if not _is_quantized(key, ctx.results):
+            writer.add(prefix + key, tensor.to(dtype))
+    for name in sorted(ctx.results):
         bias = layer.get_submodule(name).bias
-        bias = bias.detach().to(dtype) if bias is not None else None
-        writer.add_linear(f"{prefix}{name}", ctx.targets[name], ctx.results[name], bias)
-        if bias is not None:
-            layer.get_submodule(name).bias.data.copy_(bias)
+        writer.add_linear(f"{prefix}{name}", targets[name], ctx.results[name], bias.detach().to(dtype) if bias is not None else None)
     for key, tensor in sorted(ctx.extra_tensors.items()):
         writer.add(prefix + key, tensor)
 
@@ -190,19 +208,23 @@ def convert_layer(job: LayerJob, state: StreamState, index: int) -> None:
     state.fallbacks.update(layer_fallbacks)
     state.fallback_targets.update({prefix + n: t for n, t in targets.items() if prefix + n in layer_fallbacks})
     state.eval_fp = _forward_all(arch, layer, state.eval_fp)
-    ctx = LayerContext(index, prefix, arch, layer, state.inputs, targets, job.scale_dtype, job.source_block_size,
+    ctx = LayerContext(index, prefix, arch, layer, state.inputs, {}, job.scale_dtype, job.source_block_size,
                        job.source_float_min)
-    for modifier in job.recipe.modifiers:
-        modifier.process_layer(ctx)
-    missing = sorted(set(targets) - set(ctx.results))
-    if missing:
-        raise AscqError(f"layer {index}: no modifier in the recipe quantized {prefix}{missing[0]}")
-    _write_layer(job.writer, prefix, layer, ctx, job.dtype)
-    install_quantized(layer, {n: (targets[n], ctx.results[n]) for n in targets})
-    k_scale, v_scale = ctx.extra_tensors.get("self_attn.k_scale"), ctx.extra_tensors.get("self_attn.v_scale")
-    kv_hook = fp8_kv_hook(k_scale, v_scale) if k_scale is not None else None
-    state.inputs = _forward_all(arch, layer, state.inputs, kv_hook)
-    state.eval_q = _forward_all(arch, layer, state.eval_q, kv_hook)
+    for block in arch.blocks:  # calibrate, quantize and propagate one residual half at a time
+        ctx.block, ctx.inputs = block, state.inputs
+        ctx.targets = {n: t for n, t in targets.items() if block.contains(n)}
+        for modifier in job.recipe.modifiers:
+            modifier.process_layer(ctx)
+        missing = sorted(set(ctx.targets) - set(ctx.results))
+        if missing:
+            raise AscqError(f"layer {index}: no modifier in the recipe quantized {prefix}{missing[0]}")
+        _round_as_written(layer, block, job.dtype)
+        install_quantized(layer, {n: (targets[n], ctx.results[n]) for n in ctx.targets})
+        k_scale, v_scale = ctx.extra_tensors.get("self_attn.k_scale"), ctx.extra_tensors.get("self_attn.v_scale")
+        kv_hook = fp8_kv_hook(k_scale, v_scale) if k_scale is not None else None
+        state.inputs = _forward_all(arch, layer, state.inputs, kv_hook, block)
+        state.eval_q = _forward_all(arch, layer, state.eval_q, kv_hook, block)
+    _write_layer(job.writer, prefix, layer, targets, ctx, job.dtype)
     state.num_quantized += len(targets)
     state.names_seen.update(scheme_name(t) for t in targets.values())
     if ctx.report:

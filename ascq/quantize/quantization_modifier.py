@@ -49,7 +49,7 @@ class QuantizationModifier(Modifier):
                 input_scale = qmath.static_scale(input_max[name].max(), 8, ctx.scale_dtype)
             ctx.results[name] = QuantizedLinear(q, scale, zero_point, input_scale)
             self.num_quantized += 1
-        if self.scheme.kv_cache_scheme is not None:
+        if self.scheme.kv_cache_scheme is not None and ctx.in_block("self_attn"):
             ctx.extra_tensors.update(kv_scales(ctx))
 
     def summary(self) -> dict[str, Any]:

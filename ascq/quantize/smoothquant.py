@@ -46,8 +46,7 @@ class SmoothQuantModifier(Modifier):
     def layer_mappings(self, ctx: LayerContext) -> list[tuple[str, list[str]]]:
         """(norm, every linear reading it) per mapping; the quantized ones set the scales, all are rescaled."""
         if self.mappings is None:
-            groups = ctx.arch.balance_groups(ctx.index, ctx.layer)
-            norms = [g for g in groups if not isinstance(ctx.module(g.smooth_layer), nn.Linear)]
+            norms = [g for g in ctx.balance_groups() if not isinstance(ctx.module(g.smooth_layer), nn.Linear)]
             return [(g.smooth_layer, [*g.balance_layers, *g.exact_layers]) for g in norms]
         names = [n for n, _ in ctx.layer.named_modules() if n]
         resolved = []
@@ -56,7 +55,10 @@ class SmoothQuantModifier(Modifier):
             linears = [n for n in names if any(_matches(p, n) for p in linear_patterns)]
             if len(norms) != 1 or not linears:
                 raise RecipeError(f"{self.name}: mapping {norm_pattern!r} matches {len(norms)} norms and {len(linears)} linears in layer {ctx.index}")
-            resolved.append((norms[0], linears))
+            if not all(ctx.in_block(n) for n in linears) and ctx.in_block(norms[0]):
+                raise RecipeError(f"{self.name}: mapping {norm_pattern!r}: its linears must read the norm's output in the same residual block")
+            if ctx.in_block(norms[0]):
+                resolved.append((norms[0], linears))
         return resolved
 
     @torch.no_grad()
