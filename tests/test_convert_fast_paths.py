@@ -160,3 +160,34 @@ def test_alpha_grid_with_stacked_candidates_is_bit_identical():
     stacked = awq.search_scales(awq.activation_mean(x), [q, k], block, fake_quantize, config, rows_independent=True)
     assert stacked[2] == one_at_a_time[2] and stacked[1] == one_at_a_time[1]
     assert torch.equal(stacked[0], one_at_a_time[0]) and one_at_a_time[1] > 0
+
+
+def test_residual_blocks_compose_to_the_layer(tiny_llama_dir):
+    arch, layer = tiny_layer(tiny_llama_dir)
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, arch.hidden_size)
+    position_ids = torch.arange(16)[None]
+    h = x
+    for block in arch.blocks:
+        h = arch.forward_block(layer, block, h, position_ids)
+    assert torch.equal(h, arch.forward_layer(layer, x, position_ids))
+    names = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+    assert all(sum(b.contains(n) for b in arch.blocks) == 1 for n in names), "every linear in exactly one block"
+
+
+def test_capture_inputs_stops_before_the_last_linear_runs_and_sees_its_input(tiny_llama_dir):
+    """The MLP block's captured down_proj inputs are plain PyTorch's silu(gate(n)) * up(n), and down_proj never runs."""
+    arch, layer = tiny_layer(tiny_llama_dir)
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 16, arch.hidden_size), torch.randn(1, 16, arch.hidden_size)]
+    mlp_block = next(b for b in arch.blocks if b.name == "mlp")
+    ctx = LayerContext(0, arch.layer_prefix(0), arch, layer, inputs, {}, torch.float32, block=mlp_block)
+    down_calls = []
+    layer.mlp.down_proj.register_forward_hook(lambda *a: down_calls.append(1))
+    cap = ctx.capture_inputs(["mlp.gate_proj", "mlp.down_proj"])
+    assert not down_calls
+    mlp = layer.mlp
+    for x, got in zip(inputs, cap.inputs("mlp.down_proj"), strict=True):
+        n = layer.post_attention_layernorm(x)
+        torch.testing.assert_close(got, torch.nn.functional.silu(n @ mlp.gate_proj.weight.T) * (n @ mlp.up_proj.weight.T))
+    assert ctx.balance_groups() and all(mlp_block.contains(g.smooth_layer) for g in ctx.balance_groups())

@@ -57,6 +57,7 @@ NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # AutoAWQ: clipping q/k hurt
 
 class AWQModifier(Modifier):
     name = "AWQModifier"
+    per_block = False  # see pipeline.convert_layer
 
     def __init__(
         self,

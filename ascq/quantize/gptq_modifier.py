@@ -42,6 +42,7 @@ ACTORDER = {None: False, False: False, "static": True, "weight": True}
 
 class GPTQModifier(Modifier):
     name = "GPTQModifier"
+    per_block = False  # see pipeline.convert_layer
 
     def __init__(self, scheme: RecipeScheme, block_size: int, dampening_frac: float, actorder: bool, min_expert_tokens: int) -> None:
         self.scheme = scheme

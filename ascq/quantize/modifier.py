@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 class Modifier:
     name: ClassVar[str] = ""
+    # True: calibrated one residual block at a time, the MLP block on the quantized attention block's output
+    # (`pipeline.convert_layer`); False: on the whole full-precision layer, as llm-compressor does
+    per_block: ClassVar[bool] = True
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> Modifier:
