@@ -73,25 +73,11 @@ class LayerContext:
     def capture_inputs(self, names: list[str], on_input: dict[str, Callable[[torch.Tensor], None]] | None = None) -> InputCapture:
         """`InputCapture` of the named modules over every calibration sample. A sample's forward stops once each
         named module has received its input (their outputs are not needed: e.g. down_proj is not computed)."""
-        pending: set[str] = set()
-
-        def stopping(name: str):
-            def pre_hook(module: nn.Module, args: tuple) -> None:
-                pending.discard(name)
-                if not pending:
-                    raise _StopForward
-
-            return pre_hook
-
+        stopper = _Stopper(names)
         with InputCapture(self.layer, names, on_input) as capture:
-            handles = [self.layer.get_submodule(n).register_forward_pre_hook(stopping(n)) for n in names]
+            handles = [self.layer.get_submodule(n).register_forward_pre_hook(lambda *_, n=n: stopper.mark(n)) for n in names]
             try:
-                for x in self.inputs:
-                    pending.update(names)
-                    try:
-                        self.forward(x)
-                    except _StopForward:
-                        pass
+                stopper.run(self)
             finally:
                 for handle in handles:
                     handle.remove()
@@ -102,24 +88,17 @@ class LayerContext:
         """Run every calibration sample only as far as the hooked modules (each called once per forward): a
         sample's forward stops once every hooked module has produced its output, so e.g. SmoothQuant's norm
         statistics skip the MLP. What the hooks see is what `run` would show them."""
-        pending: set[str] = set()
+        stopper = _Stopper(list(hooks))
 
         def stopping(name: str, hook: Hook) -> Hook:
             def wrapper(module: nn.Module, args: tuple, output: Any) -> None:
                 hook(module, args, output)
-                pending.discard(name)
-                if not pending:
-                    raise _StopForward
+                stopper.mark(name)
 
             return wrapper
 
         with registered_hooks(self.layer, {name: stopping(name, hook) for name, hook in hooks.items()}):
-            for x in self.inputs:
-                pending.update(hooks)
-                try:
-                    self.forward(x)
-                except _StopForward:
-                    pass
+            stopper.run(self)
 
     def input_absmax(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Per-input-channel max |x| over all calibration tokens at each named module's input."""
@@ -137,7 +116,28 @@ class LayerContext:
 
 
 class _StopForward(Exception):
-    """Raised by `LayerContext.observe`'s hooks to end a sample's forward early."""
+    """Raised by `_Stopper.mark` to end a sample's forward early."""
+
+
+class _Stopper:
+    """Runs each calibration sample until every one of `names` has been marked (by hooks), then stops it."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = set(names)
+        self.pending: set[str] = set()
+
+    def mark(self, name: str) -> None:
+        self.pending.discard(name)
+        if not self.pending:
+            raise _StopForward
+
+    def run(self, ctx: LayerContext) -> None:
+        for x in ctx.inputs:
+            self.pending = set(self.names)
+            try:
+                ctx.forward(x)
+            except _StopForward:
+                pass
 
 
 @contextlib.contextmanager
