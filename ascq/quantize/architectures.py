@@ -149,9 +149,13 @@ class Architecture:
         return layer(hidden, position_ids, kv_hook)
 
     def forward_block(
-        self, layer: nn.Module, block: LayerBlock, hidden: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None
+        self, layer: nn.Module, block: LayerBlock | None, hidden: torch.Tensor, position_ids: torch.Tensor,
+        kv_hook: KVHook | None = None,
     ) -> torch.Tensor:
-        """One residual half (`DECODER_BLOCKS`) of a decoder layer; the two in order equal `forward_layer`."""
+        """One residual half (`DECODER_BLOCKS`) of a decoder layer, the two in order equal to `forward_layer`; None:
+        the whole layer."""
+        if block is None:
+            return self.forward_layer(layer, hidden, position_ids, kv_hook)
         if block.name == "attention":
             return layer.attention_block(hidden, position_ids, kv_hook)
         return layer.mlp_block(hidden)

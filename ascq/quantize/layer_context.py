@@ -59,9 +59,7 @@ class LayerContext:
 
     def forward(self, x: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
         """One calibration sample through the block (the whole layer when `block` is None)."""
-        if self.block is None:
-            return self.arch.forward_layer(self.layer, x, self.position_ids(x.shape[1]), kv_hook=kv_hook)
-        return self.arch.forward_block(self.layer, self.block, x, self.position_ids(x.shape[1]), kv_hook=kv_hook)
+        return self.arch.forward_block(self.layer, self.block, x, self.position_ids(x.shape[1]), kv_hook)
 
     @torch.no_grad()
     def run(self, hooks: dict[str, Hook] | None = None, kv_hook: KVHook | None = None) -> list[torch.Tensor]:

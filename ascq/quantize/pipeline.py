@@ -28,7 +28,6 @@ from ascq.models.layout import decoder_linears
 from ascq.quantize.architectures import Architecture, LayerBlock
 from ascq.quantize.ct_writer import ShardWriter, quantization_config
 from ascq.quantize.layer_context import LayerContext
-from ascq.quantize.modifier import QuantizedLinear
 from ascq.quantize.qmath import linear_group_size
 from ascq.quantize.recipe import ComposedRecipe
 from ascq.quantize.reference_forward import fp8_kv_hook, install_quantized, rms_norm
@@ -123,20 +122,8 @@ def _batches(embed: torch.Tensor, ids: torch.Tensor, device: str) -> list[torch.
 def _forward_all(
     arch: Architecture, layer: nn.Module, batches: list[torch.Tensor], kv_hook=None, block: LayerBlock | None = None
 ) -> list[torch.Tensor]:
-    """Every batch through the layer, or through one of its residual halves."""
-    outputs = []
-    for x in batches:
-        position_ids = torch.arange(x.shape[1], device=x.device)[None]
-        if block is None:
-            outputs.append(arch.forward_layer(layer, x, position_ids, kv_hook=kv_hook))
-        else:
-            outputs.append(arch.forward_block(layer, block, x, position_ids, kv_hook=kv_hook))
-    return outputs
-
-
-def _is_quantized(key: str, quantized: dict[str, QuantizedLinear]) -> bool:
-    owner, leaf = key.rsplit(".", 1)
-    return owner in quantized and leaf in ("weight", "bias")
+    """Every batch through one of the layer's residual halves (None: the whole layer)."""
+    return [arch.forward_block(layer, block, x, torch.arange(x.shape[1], device=x.device)[None], kv_hook) for x in batches]
 
 
 def _round_as_written(layer: nn.Module, block: LayerBlock | None, dtype: torch.dtype) -> None:
@@ -150,7 +137,8 @@ def _round_as_written(layer: nn.Module, block: LayerBlock | None, dtype: torch.d
 def _write_layer(writer: ShardWriter, prefix: str, layer: nn.Module, targets: dict[str, LinearTarget], ctx: LayerContext,
                  dtype: torch.dtype) -> None:
     for key, tensor in layer.state_dict().items():
-        if not _is_quantized(key, ctx.results):
+        owner, leaf = key.rsplit(".", 1)
+        if owner not in ctx.results or leaf not in ("weight", "bias"):
             writer.add(prefix + key, tensor.to(dtype))
     for name in sorted(ctx.results):
         bias = layer.get_submodule(name).bias

@@ -55,10 +55,11 @@ class SmoothQuantModifier(Modifier):
             linears = [n for n in names if any(_matches(p, n) for p in linear_patterns)]
             if len(norms) != 1 or not linears:
                 raise RecipeError(f"{self.name}: mapping {norm_pattern!r} matches {len(norms)} norms and {len(linears)} linears in layer {ctx.index}")
-            if not all(ctx.in_block(n) for n in linears) and ctx.in_block(norms[0]):
+            if not ctx.in_block(norms[0]):
+                continue
+            if not all(ctx.in_block(n) for n in linears):
                 raise RecipeError(f"{self.name}: mapping {norm_pattern!r}: its linears must read the norm's output in the same residual block")
-            if ctx.in_block(norms[0]):
-                resolved.append((norms[0], linears))
+            resolved.append((norms[0], linears))
         return resolved
 
     @torch.no_grad()
