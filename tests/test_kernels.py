@@ -188,27 +188,32 @@ def test_weight_only_falls_back_to_torch_kernels_without_the_native_kernel(monke
         assert rel_error(cpu.linear(x, prepared), ref.linear(x, ref.prepare_linear(w, torch.bfloat16))) < 2e-2
 
 
-def test_native_w4_packing_round_trips_and_builds_into_its_cache_dir(tmp_path):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_native_packing_round_trips_and_builds_into_its_cache_dir(tmp_path, bits):
     import os
     import subprocess
     import sys
 
     from ascq.kernels import native
 
-    q = torch.randint(-8, 8, (5, 96), dtype=torch.int8)
-    packed = native.pack_w4(q)
-    assert packed.shape == (5, 48) and packed.dtype == torch.uint8
-    assert torch.equal(native.unpack_w4_into(packed, torch.empty(5, 96)), q.float())
+    low, high = (-8, 8) if bits == 4 else (-128, 128)
+    q = torch.randint(low, high, (13, 96), dtype=torch.int8)  # 13: the last tile of 8 features is padded
+    scales = torch.rand(13, 3)
+    packed = native.pack(q, bits, scales, None, 32)
+    assert packed.data.shape == (2, 96 * bits) and packed.data.dtype == torch.uint8
+    assert torch.equal(native.unpack_into(packed, torch.empty(13, 96)), q.float())
     lib, threads = native.load(), torch.get_num_threads()
-    x, scales = torch.randn(3, 96).bfloat16(), torch.rand(5, 3)
+    x = torch.randn(3, 96).bfloat16()
     try:
         torch.set_num_threads(1)
-        one_thread = native.weight_only_mm(lib, x, packed, 4, scales, None, 32)
+        one_thread = native.weight_only_mm(lib, x, packed)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one_thread, native.weight_only_mm(lib, x, packed, 4, scales, None, 32))  # rows split, never sums
-    transposed = scales.T.contiguous().T  # same values, column-major: the wrapper must hand the kernel rows
-    assert torch.equal(one_thread, native.weight_only_mm(lib, x.float(), packed, 4, transposed, None, 32))
+    assert torch.equal(one_thread, native.weight_only_mm(lib, x, packed))  # tiles split, never sums
+    rows = torch.cat([native.weight_only_mm(lib, x[i : i + 1], packed) for i in range(3)])
+    assert torch.equal(one_thread, rows)  # a row's result does not depend on the other rows
+    torch.testing.assert_close(one_thread, x.float() @ (q.float() * scales.repeat_interleave(32, 1)).T,
+                               rtol=1e-3, atol=1e-2)
     code = "from ascq.kernels import native; assert native.load() is not None"
     env = {**os.environ, "ASCQ_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)

@@ -10,6 +10,9 @@
 #include <stdint.h>
 
 #define CHUNK_COLUMNS 256
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 1024
+#endif
 #define MAX_ROWS 6  // 12 accumulators + 2 weight registers of AVX2's 16: k = 5 proposals verify in one pass
 
 static inline float hsum(__m256 v) {
@@ -29,6 +32,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t *w, co
     __m256 even[MAX_ROWS], odd[MAX_ROWS];
     for (int m = 0; m < rows; m++) even[m] = odd[m] = _mm256_setzero_ps();
     for (int i = 0; i < k; i += 16) {
+        if (!(i & 31)) _mm_prefetch((const char *)(w + i) + PREFETCH_BYTES, _MM_HINT_T0);
         __m256 w0 = load_bf16(w + i), w1 = load_bf16(w + i + 8);
         for (int m = 0; m < rows; m++) {
             even[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (size_t)m * k + i), even[m]);

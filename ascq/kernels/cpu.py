@@ -8,7 +8,7 @@ Paths (thresholds from `python benchmarks/kernel_speed.py`; table in the README 
 - `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
   replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as per-token
   16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, 1.5-2.5x torch's int4pack at M=1; from there
-  dequantize + fp32 GEMM (4 bits: from the packed copy). Used when the kernel builds here (a C compiler, x86-64 with
+  dequantize + fp32 GEMM from the packed copy (the only copy kept). Used when the kernel builds here (a C compiler, x86-64 with
   AVX2/FMA), else int4pack / int8pack:
 - `int4pack` (w4a16, out % 16 == 0, group 32/64/128/256, or per channel with in % 32 == 0 via replicated scales):
   aten._weight_int4pack_mm_for_cpu with bf16 activations below INT4PACK_MAX_M; from there dequantize + fp32 GEMM
@@ -66,15 +66,6 @@ def _fp32_workspace(rows: int, cols: int) -> torch.Tensor:
 
 
 @dataclass
-class NativeWeights:
-    packed: torch.Tensor  # pack_w4 uint8 (4 bits) or the int8 weight (8 bits)
-    group_size: int
-    scales: torch.Tensor  # [out, in // group_size]: bf16 where that holds them exactly (fewer bytes per step), else fp32
-    zeros: torch.Tensor | None  # [out, groups]: int8 zero points, or (float zero points) fp32 zero point + 8 at 4 bits;
-    # None: symmetric
-
-
-@dataclass
 class Int4PackWeights:
     packed: torch.Tensor  # aten int4pack uint8
     group_size: int
@@ -99,7 +90,7 @@ class CpuLinear:
     weight: torch.Tensor | None  # dense: float; else int8 [out, in] for the dequant path (None: unused)
     scale: torch.Tensor | None = None  # fp32 [out, groups]
     zero: torch.Tensor | None = None  # fp32 [out, groups]
-    packed: NativeWeights | Int4PackWeights | Int8PackWeights | FbgemmWeights | None = None  # the kernel's own copy
+    packed: native.PackedWeights | Int4PackWeights | Int8PackWeights | FbgemmWeights | None = None  # the kernel's own copy
     bias: torch.Tensor | None = None  # fp32
 
 
@@ -166,19 +157,9 @@ def _prepare_int4pack(p: CpuLinear) -> None:
 def _prepare_native(p: CpuLinear) -> None:
     bits, group_size = p.weights.num_bits, _native_group_size(p.weights)
     repeats = p.weights.in_features // group_size // p.scale.shape[1]
-    zeros = None
-    if p.zero is not None:
-        zeros = p.zero.repeat_interleave(repeats, 1).contiguous()
-        if torch.equal(zeros, zeros.round()) and zeros.abs().max() <= 127:  # integer zero points: 1 byte each
-            zeros = zeros.to(torch.int8)
-        else:  # float zero points: fp32 zu (zero point + 8 at 4 bits)
-            zeros = zeros + (8 if bits == 4 else 0)
-    scales = p.scale.repeat_interleave(repeats, 1) if repeats > 1 else p.scale.contiguous()
-    if torch.equal(scales.bfloat16().float(), scales):  # e.g. a checkpoint's bf16 scales: the same values, half the bytes
-        scales = scales.bfloat16()
-    p.packed = NativeWeights(native.pack_w4(p.weight) if bits == 4 else p.weight, group_size, scales, zeros)
-    if bits == 4:
-        p.weight = None  # large M dequantizes from the packed copy
+    zeros = None if p.zero is None else p.zero.repeat_interleave(repeats, 1)
+    p.packed = native.pack(p.weight, bits, p.scale.repeat_interleave(repeats, 1), zeros, group_size)
+    p.weight = None  # large M dequantizes from the packed copy
 
 
 def _prepare_fbgemm(p: CpuLinear) -> None:
@@ -242,7 +223,7 @@ def _unpacks_exactly(p: CpuLinear) -> bool:
 def _dequantized(p: CpuLinear) -> torch.Tensor:
     buf = _fp32_workspace(p.out_features, p.weights.in_features)
     if p.weight is None and p.kernel == "native":
-        native.unpack_w4_into(p.packed.packed, buf)
+        native.unpack_into(p.packed, buf)
     elif p.weight is None:
         _unpack_int4pack_into(p, buf)
     else:
@@ -291,8 +272,7 @@ def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
 def _native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= NATIVE_MAX_M:
         return _dequant_linear(x, p)
-    w = p.packed
-    y = native.weight_only_mm(None, x, w.packed, p.weights.num_bits, w.scales, w.zeros, w.group_size)
+    y = native.weight_only_mm(None, x, p.packed)
     return y if p.bias is None else y + p.bias
 
 

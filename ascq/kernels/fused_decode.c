@@ -12,6 +12,7 @@
 //   silu: a table of torch's own bf16 silu for all 65536 inputs (built by the caller), then * up rounded to bf16;
 //   attention: the native kernel on the fp32 query, rounded to bf16.
 // Only bf16 activations and a bf16 KV cache; the caller checks everything else (and falls back to eager).
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -21,7 +22,7 @@
 void ascq_quantize_rows(const void *x, int is_bf16, int num_rows, int k, int group_size, int16_t *xq, float *xscale,
                         int32_t *xsum);
 void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w, int bits,
-                              const void *scales, int scales_bf16, const void *zeros, int zeros_int8, float *y,
+                              const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
                               int num_rows, int n, int k, int group_size, int j0, int j1);
 int ascq_weight_only_shapes_ok(int bits, int k, int group_size);
 void ascq_bf16_columns(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int j0, int j1);
@@ -32,8 +33,8 @@ void ascq_attend_one(const float *query, const void *k_cache, const void *v_cach
 
 typedef struct {
     int kind;  // 0: dense bf16 weight [n, k]; 4 or 8: weight-only bits (weight_only_mm.c layout)
-    int n, k, group_size, scales_bf16, zeros_int8;
-    const void *weight, *scales, *zeros;  // as ascq_weight_only_mm takes them; zeros may be NULL
+    int n, k, group_size, scales_bf16, zeros_kind;
+    const void *weight, *scales, *zeros;  // as ascq_weight_only_mm takes them (its tiled layout); zeros may be NULL
     const float *bias;                    // may be NULL
 } ascq_fused_linear;
 
@@ -48,6 +49,7 @@ typedef struct {
     float eps, attn_scale;
     const uint16_t *silu_table;  // bf16 silu of every bf16 bit pattern
     const ascq_fused_layer *layers;
+    const uint16_t *final_norm;  // bf16 [hidden]: the model's norm after the last layer
 } ascq_fused_model;
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -62,6 +64,38 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as c10:
     memcpy(&bits, &f, sizeof bits);
     if (isnan(f)) return 0x7fc0;
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline __m256 bf16x8_to_f32(const uint16_t *x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16));
+}
+
+static inline void store_bf16x8(uint16_t *dst, __m256 v) {  // f32_to_bf16 of 8 lanes
+    __m256i bits = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+    _mm_storeu_si128((__m128i *)dst,
+                     _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
+}
+
+static inline __m256 round_bf16x8(__m256 v) {  // bf16_to_f32(f32_to_bf16(v)) of 8 lanes
+    uint16_t rounded[8];
+    store_bf16x8(rounded, v);
+    return bf16x8_to_f32(rounded);
+}
+
+static void to_f32(const uint16_t *x, float *out, long n) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, bf16x8_to_f32(x + i));
+    for (; i < n; i++) out[i] = bf16_to_f32(x[i]);
+}
+
+static void to_bf16(const float *x, uint16_t *out, long n) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) store_bf16x8(out + i, _mm256_loadu_ps(x + i));
+    for (; i < n; i++) out[i] = f32_to_bf16(x[i]);
 }
 
 // Sum of x[i]^2 in the order of torch's CPU sum of a contiguous fp32 row (SumKernel.cpp: 8-lane vectors, 4 of them
@@ -106,11 +140,15 @@ static float sum_squares(const float *x, int n) {
 
 // bf16(weight * bf16(rms_norm(fp32 x))) for one row; scratch: n floats.
 static void rms_norm_row(const uint16_t *x, const uint16_t *weight, int n, float eps, float *scratch, uint16_t *out) {
-    for (int i = 0; i < n; i++) scratch[i] = bf16_to_f32(x[i]);
+    to_f32(x, scratch, n);
     float mean = sum_squares(scratch, n) / (float)n;
     float r = 1.f / sqrtf(mean + eps);
-    for (int i = 0; i < n; i++)
-        out[i] = f32_to_bf16(bf16_to_f32(weight[i]) * bf16_to_f32(f32_to_bf16(scratch[i] * r)));
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 normed = round_bf16x8(_mm256_mul_ps(_mm256_loadu_ps(scratch + i), _mm256_set1_ps(r)));
+        store_bf16x8(out + i, _mm256_mul_ps(bf16x8_to_f32(weight + i), normed));
+    }
+    for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(weight[i]) * bf16_to_f32(f32_to_bf16(scratch[i] * r)));
 }
 
 typedef struct {  // a linear's input as its kernel wants it
@@ -121,7 +159,7 @@ typedef struct {  // a linear's input as its kernel wants it
 
 static void prepare_input(const ascq_fused_linear *p, const uint16_t *x, int num_rows, linear_input *in) {
     if (p->kind == 0) {
-        for (long i = 0; i < (long)num_rows * p->k; i++) in->xf[i] = bf16_to_f32(x[i]);
+        to_f32(x, in->xf, (long)num_rows * p->k);
     } else {
         ascq_quantize_rows(x, 1, num_rows, p->k, p->group_size, in->xq, in->xscale, in->xsum);
     }
@@ -129,7 +167,7 @@ static void prepare_input(const ascq_fused_linear *p, const uint16_t *x, int num
 
 // The output columns in chunks taken by whichever thread is free (on a shared machine a thread may be descheduled
 // for a while; each column's result does not depend on the split), with the worksharing loop's barrier at the end.
-#define CHUNK_COLUMNS 64
+#define CHUNK_COLUMNS 64  // a multiple of the weight-only kernel's tile (8 features)
 static void linear_columns(const ascq_fused_linear *p, const linear_input *in, int num_rows, float *y) {
     int num_chunks = (p->n + CHUNK_COLUMNS - 1) / CHUNK_COLUMNS;
 #pragma omp for schedule(dynamic)
@@ -139,16 +177,15 @@ static void linear_columns(const ascq_fused_linear *p, const linear_input *in, i
             ascq_bf16_columns(in->xf, p->weight, y, num_rows, p->n, p->k, j0, j1);
         else
             ascq_weight_only_columns(in->xq, in->xsum, in->xscale, p->weight, p->kind, p->scales, p->scales_bf16,
-                                     p->zeros, p->zeros_int8, y, num_rows, p->n, p->k, p->group_size, j0, j1);
+                                     p->zeros, p->zeros_kind, y, num_rows, p->n, p->k, p->group_size, j0, j1);
     }
 }
 
-static void linear_output(const ascq_fused_linear *p, const float *y, int num_rows, uint16_t *out) {
-    for (int m = 0; m < num_rows; m++)
-        for (int j = 0; j < p->n; j++) {
-            float v = y[(size_t)m * p->n + j];
-            out[(size_t)m * p->n + j] = f32_to_bf16(p->bias ? v + p->bias[j] : v);
-        }
+static void linear_output(const ascq_fused_linear *p, float *y, int num_rows, uint16_t *out) {
+    if (p->bias)
+        for (int m = 0; m < num_rows; m++)
+            for (int j = 0; j < p->n; j++) y[(size_t)m * p->n + j] += p->bias[j];
+    to_bf16(y, out, (long)num_rows * p->n);
 }
 
 static int linear_ok(const ascq_fused_linear *p, int n, int k) {
@@ -174,14 +211,29 @@ static void rotate_row(uint16_t *x, int num_heads, int head_dim, const uint16_t 
 }
 
 static void add_residual(const uint16_t *x, uint16_t *residual, long count) {
-    for (long i = 0; i < count; i++) residual[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(residual[i]));
+    long i = 0;
+    for (; i + 8 <= count; i += 8)
+        store_bf16x8(residual + i, _mm256_add_ps(bf16x8_to_f32(x + i), bf16x8_to_f32(residual + i)));
+    for (; i < count; i++) residual[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(residual[i]));
+}
+
+// bf16(silu(gate) * up) of one row, silu from the table (torch's own bf16 silu).
+static void silu_mul(const uint16_t *gate, const uint16_t *up, const uint16_t *silu_table, int n, uint16_t *out) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint16_t silu[8];
+        for (int l = 0; l < 8; l++) silu[l] = silu_table[gate[i + l]];
+        store_bf16x8(out + i, _mm256_mul_ps(bf16x8_to_f32(silu), bf16x8_to_f32(up + i)));
+    }
+    for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(silu_table[gate[i]]) * bf16_to_f32(up[i]));
 }
 
 // Checks every layer's shapes and the step's cache addresses; 0 when all are valid.
 static int check_step(const ascq_fused_model *m, int num_rows, const int64_t *slot_mapping,
                       const int32_t *block_tables, int max_blocks, const int32_t *seq_lens) {
     int q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
-    if (m->num_kv_heads < 1 || m->num_heads % m->num_kv_heads || m->head_dim % 2 || num_rows < 1) return -1;
+    if (m->num_kv_heads < 1 || m->num_heads % m->num_kv_heads || m->head_dim % 2 || num_rows < 1 || !m->final_norm)
+        return -1;
     for (int l = 0; l < m->num_layers; l++) {
         const ascq_fused_layer *L = &m->layers[l];
         if (!linear_ok(&L->qkv, q_size + 2 * kv_size, m->hidden) || !linear_ok(&L->o, m->hidden, q_size) ||
@@ -201,12 +253,11 @@ static int check_step(const ascq_fused_model *m, int num_rows, const int64_t *sl
     return 0;
 }
 
-// One decode step through every layer. x bf16 [M, hidden]: in, the embeddings (first_layer_residual 1) or the
-// previous layer's output with `residual`; out, the last layer's MLP output, with `residual` its residual stream
-// (the model's final norm is the caller's). cos, sin bf16 [M, head_dim] of each row's position. slot_mapping [M],
-// block_tables int32 [M, max_blocks], seq_lens int32 [M] (this token included). Returns 0, or -1 on bad input.
-int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual, int first_layer_residual,
-                      int num_rows, const int64_t *slot_mapping, const int32_t *block_tables, int max_blocks,
+// One decode step through every layer and the final norm. x bf16 [M, hidden]: in, the embeddings; out, the final
+// hidden states (the final norm of the last layer's output plus its residual stream). residual: scratch [M, hidden].
+// cos, sin bf16 [M, head_dim] of each row's position. slot_mapping [M], block_tables int32 [M, max_blocks],
+// seq_lens int32 [M] (this token included). Returns 0, or -1 on bad input.
+int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual, int num_rows, const int64_t *slot_mapping, const int32_t *block_tables, int max_blocks,
                       const int32_t *seq_lens, const uint16_t *cos, const uint16_t *sin, int num_threads) {
     if (num_threads < 1 || check_step(m, num_rows, slot_mapping, block_tables, max_blocks, seq_lens)) return -1;
     int hidden = m->hidden, inter = m->intermediate, head_dim = m->head_dim;
@@ -240,7 +291,7 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
                 const ascq_fused_layer *L = &m->layers[l];
 #pragma omp single
                 {
-                    if (l == 0 && first_layer_residual)
+                    if (l == 0)
                         memcpy(residual, x, sizeof(uint16_t) * rows * hidden);
                     else
                         add_residual(x, residual, (long)rows * hidden);
@@ -259,7 +310,7 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
                         size_t slot = (size_t)slot_mapping[b] * kv_size;
                         memcpy(L->k_cache + slot, row + q_size, sizeof(uint16_t) * kv_size);
                         memcpy(L->v_cache + slot, row + q_size + kv_size, sizeof(uint16_t) * kv_size);
-                        for (int i = 0; i < q_size; i++) query[(size_t)b * q_size + i] = bf16_to_f32(row[i]);
+                        to_f32(row, query + (size_t)b * q_size, q_size);
                     }
                 }
 #pragma omp for schedule(dynamic)
@@ -272,7 +323,7 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
                 }
 #pragma omp single
                 {
-                    for (size_t i = 0; i < rows * q_size; i++) h[i] = f32_to_bf16(attn[i]);
+                    to_bf16(attn, h, (long)rows * q_size);
                     prepare_input(&L->o, h, num_rows, &in);
                 }
                 linear_columns(&L->o, &in, num_rows, y);
@@ -289,17 +340,20 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
                 {
                     linear_output(&L->gate_up, y, num_rows, act);
                     for (int b = 0; b < num_rows; b++) {
-                        const uint16_t *gate = act + (size_t)b * 2 * inter, *up = gate + inter;
-                        for (int i = 0; i < inter; i++) {
-                            float s = bf16_to_f32(m->silu_table[gate[i]]);
-                            h[(size_t)b * inter + i] = f32_to_bf16(s * bf16_to_f32(up[i]));
-                        }
+                        const uint16_t *gate = act + (size_t)b * 2 * inter;
+                        silu_mul(gate, gate + inter, m->silu_table, inter, h + (size_t)b * inter);
                     }
                     prepare_input(&L->down, h, num_rows, &in);
                 }
                 linear_columns(&L->down, &in, num_rows, y);
 #pragma omp single
                 linear_output(&L->down, y, num_rows, x);
+            }
+#pragma omp single
+            if (!failed) {
+                add_residual(x, residual, (long)rows * hidden);
+                for (int b = 0; b < num_rows; b++)
+                    rms_norm_row(residual + b * hidden, m->final_norm, hidden, m->eps, scratch, x + b * hidden);
             }
             free(scores);
         }

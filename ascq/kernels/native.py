@@ -26,9 +26,11 @@ import platform
 import shutil
 import subprocess
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ascq.atomic_file import atomic_output
 
@@ -86,7 +88,7 @@ def load() -> ctypes.CDLL | None:
     lib.ascq_paged_decode_attention.argtypes += [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
     lib.ascq_paged_decode_attention.argtypes += [ctypes.c_float] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     lib.ascq_fused_decode.restype = ctypes.c_int
-    lib.ascq_fused_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
+    lib.ascq_fused_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
     lib.ascq_fused_decode.argtypes += [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     return lib
 
@@ -97,42 +99,92 @@ def available() -> bool:
     return load() is not None
 
 
-def pack_w4(q: torch.Tensor) -> torch.Tensor:
-    """Signed int4 values int8 [N, K] (K % 32 == 0) -> uint8 [N, K/2] in the kernel's layout: in each run of 32,
-    byte j = (q[j] + 8) | (q[j + 16] + 8) << 4."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8).view(q.shape[0], -1, 2, 16)
-    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
+TILE = 8  # output features per tile of the weight-only layout (weight_only_mm.c)
+ZERO_KINDS = {None: 0, torch.int8: 1, torch.bfloat16: 2, torch.float32: 3}  # weight_only_mm.c's zeros_kind
 
 
-def unpack_w4_into(packed: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack_w4`: the signed values written into `buf` [N, K] (any float dtype)."""
-    runs = packed.view(packed.shape[0], -1, 16)
-    out = buf.view(buf.shape[0], -1, 2, 16)
-    out[:, :, 0].copy_(runs & 15)
-    out[:, :, 1].copy_(runs >> 4)
-    return buf.sub_(8)
+@dataclass
+class PackedWeights:
+    """A weight-only linear in weight_only_mm.c's tiled layout (`pack`)."""
+
+    data: torch.Tensor  # uint8 [tiles, k * bits]: each tile's 8 output features, quads of 4 inputs
+    bits: int
+    n: int  # output features (the last tile is padded with zero weights)
+    k: int
+    group_size: int
+    scales: torch.Tensor  # [tiles, groups, 8]: bf16 where that holds them exactly (fewer bytes per step), else fp32
+    zeros: torch.Tensor | None  # [tiles, groups, 8] zero points: int8, bf16 or fp32 (the most compact exact); None:
+    # symmetric
 
 
-def weight_only_mm(
-    lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor, bits: int, scales: torch.Tensor,
-    zeros: torch.Tensor | None, group_size: int,
-) -> torch.Tensor:
-    """x [M, K] bf16 or fp32 -> fp32 [M, N]. weight: `pack_w4` output (bits 4) or int8 [N, K] (bits 8); scales
-    [N, K/group_size] fp32 or bf16; zeros the same shape: int8 zero points, or fp32 zu (zero point + 8 at 4 bits);
-    None: symmetric."""
+def _tiled(t: torch.Tensor, n_padded: int) -> torch.Tensor:
+    """[n, groups] -> [tiles, groups, TILE], zero rows padding n to n_padded."""
+    t = F.pad(t, (0, 0, 0, n_padded - t.shape[0]))
+    return t.view(n_padded // TILE, TILE, -1).transpose(1, 2).contiguous()
+
+
+def _compact(t: torch.Tensor, integral: bool) -> torch.Tensor:
+    """The fewest bytes that hold `t`'s values exactly: int8 (where `integral`), bf16, else fp32."""
+    if integral and torch.equal(t, t.round()) and -128 <= t.min() and t.max() <= 127:
+        return t.to(torch.int8)
+    return t.bfloat16() if torch.equal(t.bfloat16().float(), t) else t.float()
+
+
+def pack(q: torch.Tensor, bits: int, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+         compact: bool = True) -> PackedWeights:
+    """Signed int4 / int8 values q [N, K] (K % 32 == 0), scales and zero points [N, K / group_size] (zeros None:
+    symmetric) -> the kernel's layout. `compact`: qparams in the fewest bytes that hold them exactly (else fp32)."""
+    n, k = q.shape
+    n_padded = -(-n // TILE) * TILE
+    q = F.pad(q.to(torch.int16), (0, 0, 0, n_padded - n)).view(n_padded // TILE, TILE, k // 4, 2, 2)  # t, j, quad, h, p
+    if bits == 4:
+        u = (q + 8).to(torch.uint8).permute(0, 2, 1, 4, 3)  # t, quad, j, p, h
+        data = u[..., 0] | (u[..., 1] << 4)
+    else:
+        data = q.to(torch.int8).permute(0, 2, 3, 1, 4).view(torch.uint8)  # t, quad, h, j, p
+    scales, zeros = scales.float(), None if zeros is None else zeros.float()
+    if compact:
+        scales, zeros = _compact(scales, False), None if zeros is None else _compact(zeros, True)
+    return PackedWeights(data.reshape(n_padded // TILE, k * bits).contiguous(), bits, n, k, group_size,
+                         _tiled(scales, n_padded), None if zeros is None else _tiled(zeros, n_padded))
+
+
+def unpack_into(packed: PackedWeights, buf: torch.Tensor) -> torch.Tensor:
+    """The signed values `pack` took, written into `buf` [N, K] (any float dtype)."""
+    num_tiles, k = packed.data.shape[0], packed.k
+    full = buf if packed.n == num_tiles * TILE else torch.empty(num_tiles * TILE, k, dtype=buf.dtype)
+    out = full.view(num_tiles, TILE, k // 4, 2, 2)  # t, j, quad, h, p
+    if packed.bits == 4:
+        data = packed.data.view(num_tiles, k // 4, TILE, 2).transpose(1, 2)  # t, j, quad, p
+        out[..., 0, :].copy_(data & 15)
+        out[..., 1, :].copy_(data >> 4)
+        out.sub_(8)
+    else:
+        out.copy_(packed.data.view(torch.int8).view(num_tiles, k // 4, 2, TILE, 2).permute(0, 3, 1, 2, 4))
+    if full is not buf:
+        buf.copy_(full[: packed.n])
+    return buf
+
+
+def weight_only_mm(lib: ctypes.CDLL | None, x: torch.Tensor, w: PackedWeights) -> torch.Tensor:
+    """x [M, K] bf16 or fp32 -> fp32 [M, N]."""
     if torch.compiler.is_compiling():
-        return torch.ops.ascq.weight_only_mm(x, weight, bits, scales, zeros, group_size)
+        return torch.ops.ascq.weight_only_mm(x, w.data, w.bits, w.scales, w.zeros, w.group_size, w.n)
+    return _weight_only_mm(lib, x, w.data, w.bits, w.scales, w.zeros, w.group_size, w.n)
+
+
+def _weight_only_mm(
+    lib: ctypes.CDLL | None, x: torch.Tensor, data: torch.Tensor, bits: int, scales: torch.Tensor,
+    zeros: torch.Tensor | None, group_size: int, n: int,
+) -> torch.Tensor:
     lib = load() if lib is None else lib
     x = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
-    weight = weight.contiguous()
-    scales = (scales if scales.dtype == torch.bfloat16 else scales.float()).contiguous()
-    zeros = None if zeros is None else (zeros if zeros.dtype == torch.int8 else zeros.float()).contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
     status = lib.ascq_weight_only_mm(
-        x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(), bits, scales.data_ptr(),
+        x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(), bits, scales.data_ptr(),
         int(scales.dtype == torch.bfloat16), None if zeros is None else zeros.data_ptr(),
-        int(zeros is not None and zeros.dtype == torch.int8), y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1],
-        group_size, torch.get_num_threads(),
+        ZERO_KINDS[None if zeros is None else zeros.dtype], y.data_ptr(), x.shape[0], n, x.shape[1], group_size,
+        torch.get_num_threads(),
     )
     if status != 0:
         raise ValueError(f"{bits}-bit kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
@@ -190,18 +242,19 @@ def paged_decode_attention(
 # `torch.library.custom_op`: a call costs about 6 us over the direct call instead of about 18 us (measured at
 # [1, 576] x [64, 576]), which matters at five kernel calls per layer.
 _OPS = torch.library.Library("ascq", "DEF")
-_OPS.define("weight_only_mm(Tensor x, Tensor weight, int bits, Tensor scales, Tensor? zeros, int group_size) -> Tensor")
+_OPS.define("weight_only_mm(Tensor x, Tensor weight, int bits, Tensor scales, Tensor? zeros, int group_size, int n) "
+            "-> Tensor")
 _OPS.define("bf16_mm(Tensor x, Tensor weight) -> Tensor")
 _OPS.define("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
             "Tensor seq_lens, float scale, float k_scale, float v_scale) -> Tensor")
-_OPS.impl("weight_only_mm", functools.partial(weight_only_mm, None), "CPU")
+_OPS.impl("weight_only_mm", functools.partial(_weight_only_mm, None), "CPU")
 _OPS.impl("bf16_mm", functools.partial(bf16_mm, None), "CPU")
 _OPS.impl("paged_decode_attention", functools.partial(paged_decode_attention, None), "CPU")
 
 
 @torch.library.register_fake("ascq::weight_only_mm", lib=_OPS)
-def _(x, weight, bits, scales, zeros, group_size):
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+def _(x, weight, bits, scales, zeros, group_size, n):
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
 
 @torch.library.register_fake("ascq::bf16_mm", lib=_OPS)

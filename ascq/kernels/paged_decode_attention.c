@@ -54,11 +54,97 @@ static inline float dot(const float *q, const float *k, int n) {
     return total;
 }
 
+// exp of 8 lanes (Cephes' expf polynomial, within 2 ulp of expf; inputs below -87.3, where expf is subnormal or 0,
+// give 0). Used for every softmax lane, tails included, so a score's weight never depends on its position.
+static inline __m256 exp8(__m256 x) {
+    __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(power)));
+}
+
+// Softmax of s[0..n) in place: exp8 of s - max, then divided by their sum (8 lane sums, then the lanes in order).
+static void softmax(float *s, int n) {
+    float peak = -INFINITY;
+    for (int pos = 0; pos < n; pos++) peak = fmaxf(peak, s[pos]);
+    __m256 total8 = _mm256_setzero_ps(), shift = _mm256_set1_ps(peak);
+    for (int pos = 0; pos < n; pos += 8) {
+        float lanes[8] = {0};
+        int width = n - pos < 8 ? n - pos : 8;
+        memcpy(lanes, s + pos, sizeof(float) * width);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(lanes), shift));
+        if (width < 8) e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                               _mm256_set1_epi32(width), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+        total8 = _mm256_add_ps(total8, e);
+        _mm256_storeu_ps(lanes, e);
+        memcpy(s + pos, lanes, sizeof(float) * width);
+    }
+    float lanes[8], total = 0.f;
+    _mm256_storeu_ps(lanes, total8);
+    for (int l = 0; l < 8; l++) total += lanes[l];
+    for (int pos = 0; pos < n; pos++) s[pos] /= total;
+}
+
+#define BF16_DIM_CHUNK 64  // output dims of the bf16 path held in registers (8 vectors)
+
+static inline __m256 bf16x8(const uint16_t *x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16));
+}
+
+// The bf16-cache path of attend_one (head_dim % 8 == 0): keys and values read as bf16 in registers, no row copies;
+// each query head on its own (its result does not depend on `group`), dims in chunks of BF16_DIM_CHUNK.
+static void attend_bf16(const float *query, const uint16_t *k_cache, const uint16_t *v_cache,
+                        const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int group,
+                        int head_dim, int block_size, float scale, float *scores, float *out) {
+    for (int g = 0; g < group; g++) {
+        const float *q = query + (size_t)g * head_dim;
+        float *s = scores + (size_t)g * seq_len;
+        for (int pos = 0; pos < seq_len; pos++) {
+            size_t slot = (size_t)block_table[pos / block_size] * block_size + pos % block_size;
+            const uint16_t *key = k_cache + (slot * num_kv_heads + kv_head) * head_dim;
+            __m256 acc = _mm256_setzero_ps();
+            for (int i = 0; i < head_dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf16x8(key + i), acc);
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            s[pos] = _mm_cvtss_f32(h) * scale;
+        }
+        softmax(s, seq_len);
+        for (int d0 = 0; d0 < head_dim; d0 += BF16_DIM_CHUNK) {
+            int width = head_dim - d0 < BF16_DIM_CHUNK ? head_dim - d0 : BF16_DIM_CHUNK;
+            __m256 acc[BF16_DIM_CHUNK / 8];
+            for (int c = 0; c < width / 8; c++) acc[c] = _mm256_setzero_ps();
+            for (int pos = 0; pos < seq_len; pos++) {
+                size_t slot = (size_t)block_table[pos / block_size] * block_size + pos % block_size;
+                const uint16_t *value = v_cache + (slot * num_kv_heads + kv_head) * head_dim + d0;
+                __m256 p = _mm256_set1_ps(s[pos]);
+                for (int c = 0; c < width / 8; c++) acc[c] = _mm256_fmadd_ps(p, bf16x8(value + 8 * c), acc[c]);
+            }
+            for (int c = 0; c < width / 8; c++) _mm256_storeu_ps(out + (size_t)g * head_dim + d0 + 8 * c, acc[c]);
+        }
+    }
+}
+
 // One sequence, one kv head: its `group` query heads attend over the first seq_len cache positions.
 static void attend_one(const float *query, const void *k_cache, const void *v_cache, int dtype,
                        const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int group,
                        int head_dim, int block_size, float scale, float k_scale, float v_scale,
                        const float *fp8_values, float *scores, float *row, float *out) {
+    if (dtype == CACHE_BF16 && head_dim % 8 == 0) {
+        attend_bf16(query, k_cache, v_cache, block_table, seq_len, num_kv_heads, kv_head, group, head_dim,
+                    block_size, scale, scores, out);
+        return;
+    }
     for (int pos = 0; pos < seq_len; pos++) {
         size_t slot = (size_t)block_table[pos / block_size] * block_size + pos % block_size;
         const float *key = load_row(k_cache, dtype, (slot * num_kv_heads + kv_head) * head_dim, head_dim, fp8_values,
@@ -67,12 +153,7 @@ static void attend_one(const float *query, const void *k_cache, const void *v_ca
             scores[(size_t)g * seq_len + pos] = dot(query + (size_t)g * head_dim, key, head_dim) * scale;
         }
     }
-    for (int g = 0; g < group; g++) {
-        float *s = scores + (size_t)g * seq_len, peak = -INFINITY, total = 0.f;
-        for (int pos = 0; pos < seq_len; pos++) peak = fmaxf(peak, s[pos]);
-        for (int pos = 0; pos < seq_len; pos++) total += (s[pos] = expf(s[pos] - peak));
-        for (int pos = 0; pos < seq_len; pos++) s[pos] /= total;
-    }
+    for (int g = 0; g < group; g++) softmax(scores + (size_t)g * seq_len, seq_len);
     memset(out, 0, sizeof(float) * group * head_dim);
     for (int pos = 0; pos < seq_len; pos++) {
         size_t slot = (size_t)block_table[pos / block_size] * block_size + pos % block_size;

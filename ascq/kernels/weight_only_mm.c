@@ -5,10 +5,17 @@
 // row is turned into 16-bit fixed point (per-row scale = max|x| / 32767, 15 bits against bf16's 8), so 16 weights
 // cost one _mm256_madd_epi16.
 //
-// Weight layouts (see native.py): 4 bits: uint8 [N, K/2]; in each run of 32 weights of a row, byte j holds weight j
-// (low nibble) and weight j+16 (high nibble) as unsigned u = q + 8, dequantized (u - zu[n,g]) * s[n,g] with
-// zu = zero point + 8. 8 bits: int8 [N, K] as is, dequantized (q - z[n,g]) * s[n,g]. Integer partial sums are exact:
-// |sum| <= group_size * max|q| * 32767 < 2^31 for the group sizes native.py allows (4096 at 4 bits, 2048 at 8).
+// Weight layout (native.py `pack`): output features in tiles of TILE = 8 (zero weights pad the last tile). A tile's
+// weights for all K inputs are contiguous, in quads of 4 inputs: at 4 bits a quad is 16 bytes, byte 2j + p holding
+// feature j's u[4q + p] (low nibble) and u[4q + 2 + p] (high nibble), u = q + 8; at 8 bits a quad is 32 bytes, byte
+// 2j + p of the first 16 holding q[4q + p] and of the second 16 q[4q + 2 + p]. Widened to 16-bit lanes, a quad is
+// two vectors of each feature's input pairs side by side, so one _mm256_madd_epi16 against a broadcast activation
+// pair gives the tile's 8 partial sums in 8 int32 lanes: no horizontal sums, and each group's scales and zero points
+// are one vector load. Qparams [tiles, groups, 8]: scales fp32 or bf16; zero points int8, bf16 or fp32 (or none:
+// symmetric); w = (u - zu) * s, zu = zero point + 8 at 4 bits. Integer partial sums are exact within a group:
+// |sum| <= group_size * max|u| * 32767 < 2^31 for the group sizes native.py allows (4096 at 4 bits, 2048 at 8).
+// Each output is sum over groups, in order, of (acc - zu * sum(x)) * s, then times the row's scale: the same
+// arithmetic for a row whatever the other rows, the column split or the thread count.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -16,159 +23,129 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_ROWS 4  // activation rows sharing one pass over the weights
+#define TILE 8
+#define MAX_ROWS 4        // activation rows sharing one pass over a tile's weights
+#define CHUNK_TILES 8     // tiles handed to a free thread at a time
+#define PREFETCH_BYTES 1024
+
+enum { ZEROS_NONE = 0, ZEROS_INT8 = 1, ZEROS_BF16 = 2, ZEROS_FP32 = 3 };
 
 int ascq_cpu_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-static float bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-// One activation row -> int16 values, its scale, and per-group sums of the int16 values.
+static inline __m256 load8_row(const void *x, int is_bf16, int i) {
+    return is_bf16 ? load8_bf16((const uint16_t *)x + i) : _mm256_loadu_ps((const float *)x + i);
+}
+
+// One activation row -> int16 values, its scale, and per-group sums of the int16 values. Values round to nearest
+// even (the default MXCSR mode, as lrintf) and clamp to +-32767; k % 32 == 0.
 static void quantize_row(const void *x, int is_bf16, int k, int group_size, int16_t *xq, float *xscale,
                          int32_t *xsum) {
-    float amax = 0.f;
-    for (int i = 0; i < k; i++) {
-        float v = is_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-        amax = fmaxf(amax, fabsf(v));
-    }
+    __m256 amax8 = _mm256_setzero_ps(), abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < k; i += 8)  // NaN inputs are skipped, as fmaxf does: max_ps returns its second operand
+        amax8 = _mm256_max_ps(_mm256_and_ps(load8_row(x, is_bf16, i), abs_mask), amax8);
+    float lanes[8], amax = 0.f;
+    _mm256_storeu_ps(lanes, amax8);
+    for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
     float scale = amax > 0.f ? amax / 32767.f : 1.f;
-    float inv = 1.f / scale;
-    for (int g = 0; g < k / group_size; g++) xsum[g] = 0;
-    for (int i = 0; i < k; i++) {
-        float v = is_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-        long q = lrintf(v * inv);
-        q = q > 32767 ? 32767 : (q < -32767 ? -32767 : q);
-        xq[i] = (int16_t)q;
-        xsum[i / group_size] += (int32_t)q;
+    __m256 inv = _mm256_set1_ps(1.f / scale);
+    __m256i low = _mm256_set1_epi32(-32767), high = _mm256_set1_epi32(32767);
+    for (int g = 0; g < k / group_size; g++) {
+        __m256i sum = _mm256_setzero_si256();
+        for (int i = g * group_size; i < (g + 1) * group_size; i += 16) {
+            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(load8_row(x, is_bf16, i), inv));
+            __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(load8_row(x, is_bf16, i + 8), inv));
+            a = _mm256_min_epi32(_mm256_max_epi32(a, low), high);
+            b = _mm256_min_epi32(_mm256_max_epi32(b, low), high);
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(a, b));
+            _mm256_storeu_si256((__m256i *)(xq + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8));
+        }
+        int32_t parts[8], total = 0;
+        _mm256_storeu_si256((__m256i *)parts, sum);
+        for (int l = 0; l < 8; l++) total += parts[l];
+        xsum[g] = total;
     }
     *xscale = scale;
 }
 
-// Sixteen-bit weights [32] of run i (weight index i .. i+31 of the row) as two vectors of 16.
-static inline __attribute__((always_inline)) void load_run(const uint8_t *w, int i, int bits, __m256i *first,
-                                                          __m256i *second) {
-    if (bits == 4) {  // one widening per 32 weights: 16-bit lanes hold a whole byte, then split its nibbles
-        __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + i / 2)));
-        *first = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
-        *second = _mm256_srli_epi16(bytes, 4);
-    } else {
-        *first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i)));
-        *second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i + 16)));
+static inline __m256 load8_scales(const void *scales, int scales_bf16, size_t at) {
+    return scales_bf16 ? load8_bf16((const uint16_t *)scales + at) : _mm256_loadu_ps((const float *)scales + at);
+}
+
+static inline __m256 load8_zu(const void *zeros, int zeros_kind, size_t at, __m256 bias) {
+    switch (zeros_kind) {
+    case ZEROS_INT8:
+        return _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)zeros + at)))), bias);
+    case ZEROS_BF16: return _mm256_add_ps(load8_bf16((const uint16_t *)zeros + at), bias);
+    case ZEROS_FP32: return _mm256_add_ps(_mm256_loadu_ps((const float *)zeros + at), bias);
+    default: return bias;
     }
 }
 
-// y[m, n] for rows m < num_rows of one block of activation rows, one output feature n. Always inlined with constant
-// num_rows and bits, so the per-row accumulators live in registers. scales, zeros (zu): this feature's, as fp32.
-static inline __attribute__((always_inline)) void dot_row(const uint8_t *w, const int16_t *xq, const int32_t *xsum,
-                                                         const float *xscale, const float *scales, const float *zeros,
-                                                         int num_rows, int bits, int k, int group_size, float *out) {
-    int num_groups = k / group_size;
+static inline __m256i broadcast_pair(const int16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return _mm256_set1_epi32(pair);
+}
+
+// One tile (8 output features) against `rows` activation rows: out[r] = the 8 outputs of row r. Always inlined with
+// constant rows and bits, so the accumulators live in registers. w: the tile's weights; scales, zeros: the tile's.
+static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, const void *scales, int scales_bf16,
+                                                           const void *zeros, int zeros_kind, int bits,
+                                                           const int16_t *xq, const int32_t *xsum,
+                                                           const float *xscale, int rows, int k, int group_size,
+                                                           __m256 *out) {
+    int num_groups = k / group_size, quad_bytes = 4 * bits;
+    __m256 bias = _mm256_set1_ps(bits == 4 ? 8.f : 0.f);
+    __m256i low_nibbles = _mm256_set1_epi16(0x0f);
     __m256 total[MAX_ROWS];
-    float offset[MAX_ROWS];  // sum over groups of s * zu * sum(x), subtracted once at the end
-    for (int m = 0; m < num_rows; m++) {
-        total[m] = _mm256_setzero_ps();
-        offset[m] = 0.f;
-        for (int g = 0; g < num_groups; g++)
-            offset[m] += scales[g] * zeros[g] * (float)xsum[(size_t)m * num_groups + g];
-    }
+    for (int r = 0; r < rows; r++) total[r] = _mm256_setzero_ps();
+    const uint8_t *wq = w;
     for (int g = 0; g < num_groups; g++) {
-        __m256i acc[MAX_ROWS];
-        for (int m = 0; m < num_rows; m++) acc[m] = _mm256_setzero_si256();
-        for (int i = g * group_size; i < (g + 1) * group_size; i += 32) {
-            __m256i w_first, w_second;
-            load_run(w, i, bits, &w_first, &w_second);
-            for (int m = 0; m < num_rows; m++) {
-                const int16_t *xrow = xq + (size_t)m * k + i;
-                __m256i x_first = _mm256_loadu_si256((const __m256i *)xrow);
-                __m256i x_second = _mm256_loadu_si256((const __m256i *)(xrow + 16));
-                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(w_first, x_first));
-                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(w_second, x_second));
+        __m256i acc[MAX_ROWS], acc_second[MAX_ROWS];  // two chains per row: integer sums, exact in any order
+        for (int r = 0; r < rows; r++) acc[r] = acc_second[r] = _mm256_setzero_si256();
+        // a cache line per iteration (4 quads at 4 bits, 2 at 8; a group spans whole lines), one prefetch each
+        for (int i = g * group_size; i < (g + 1) * group_size; i += 64 / bits, wq += 64) {
+            _mm_prefetch((const char *)wq + PREFETCH_BYTES, _MM_HINT_T0);
+            for (int u = 0; u < 64 / quad_bytes; u++) {
+                const uint8_t *quad = wq + u * quad_bytes;
+                __m256i first, second;
+                if (bits == 4) {
+                    __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)quad));
+                    first = _mm256_and_si256(bytes, low_nibbles);
+                    second = _mm256_srli_epi16(bytes, 4);
+                } else {
+                    first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)quad));
+                    second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(quad + 16)));
+                }
+                for (int r = 0; r < rows; r++) {
+                    const int16_t *x = xq + (size_t)r * k + i + 4 * u;
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(first, broadcast_pair(x)));
+                    acc_second[r] = _mm256_add_epi32(acc_second[r], _mm256_madd_epi16(second, broadcast_pair(x + 2)));
+                }
             }
         }
-        __m256 scale = _mm256_set1_ps(scales[g]);
-        for (int m = 0; m < num_rows; m++) total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), scale, total[m]);
-    }
-    for (int m = 0; m < num_rows; m++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(total[m]), _mm256_extractf128_ps(total[m], 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        out[m] = (_mm_cvtss_f32(s) - offset[m]) * xscale[m];
-    }
-}
-
-// One activation row against COLS consecutive output features: the same arithmetic per feature as dot_row with one
-// row (each result bit-identical), with COLS independent accumulator chains instead of one, so a decode step's
-// single row is not bound by the latency of one fmadd chain per group. w: the first feature's weights, w_stride
-// bytes apart; scales, zeros [COLS][num_groups].
-#define COLS 4
-#define PREFETCH_BLOCKS 4
-static inline __attribute__((always_inline)) void dot_cols(const uint8_t *w, size_t w_stride, const int16_t *xq,
-                                                          const int32_t *xsum, float xscale, const float *scales,
-                                                          const float *zeros, int bits, int k, int group_size,
-                                                          float *out) {
-    int num_groups = k / group_size;
-    __m256 total[COLS];
-    float offset[COLS];
-    for (int c = 0; c < COLS; c++) {
-        total[c] = _mm256_setzero_ps();
-        offset[c] = 0.f;
-    }
-    for (int g = 0; g < num_groups; g++)
-        for (int c = 0; c < COLS; c++)
-            offset[c] += scales[c * num_groups + g] * zeros[c * num_groups + g] * (float)xsum[g];
-    for (int g = 0; g < num_groups; g++) {
-        __m256i acc[COLS];
-        for (int c = 0; c < COLS; c++) acc[c] = _mm256_setzero_si256();
-        for (int i = g * group_size; i < (g + 1) * group_size; i += 32) {
-            // the block PREFETCH_BLOCKS ahead, one 32-weight run's share per run (a block's weights are contiguous:
-            // COLS * 4 * bits bytes per run), so the weights stream from memory instead of stalling each load
-            const char *ahead = (const char *)w + PREFETCH_BLOCKS * COLS * w_stride + (size_t)(i / 32) * COLS * 4 * bits;
-            for (int line = 0; line < COLS * 4 * bits; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-            __m256i x_first = _mm256_loadu_si256((const __m256i *)(xq + i));
-            __m256i x_second = _mm256_loadu_si256((const __m256i *)(xq + i + 16));
-            for (int c = 0; c < COLS; c++) {
-                __m256i w_first, w_second;
-                load_run(w + c * w_stride, i, bits, &w_first, &w_second);
-                acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(w_first, x_first));
-                acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(w_second, x_second));
-            }
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_add_epi32(acc[r], acc_second[r]);
+        __m256 s = load8_scales(scales, scales_bf16, (size_t)g * TILE);
+        __m256 zu = load8_zu(zeros, zeros_kind, (size_t)g * TILE, bias);
+        for (int r = 0; r < rows; r++) {
+            __m256 sum_x = _mm256_set1_ps((float)xsum[(size_t)r * num_groups + g]);
+            __m256 t = _mm256_fnmadd_ps(zu, sum_x, _mm256_cvtepi32_ps(acc[r]));
+            total[r] = _mm256_fmadd_ps(t, s, total[r]);
         }
-        for (int c = 0; c < COLS; c++)
-            total[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c]), _mm256_set1_ps(scales[c * num_groups + g]),
-                                       total[c]);
     }
-    for (int c = 0; c < COLS; c++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(total[c]), _mm256_extractf128_ps(total[c], 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        out[c] = (_mm_cvtss_f32(s) - offset[c]) * xscale;
-    }
+    for (int r = 0; r < rows; r++) out[r] = _mm256_mul_ps(total[r], _mm256_set1_ps(xscale[r]));
 }
 
-// Feature j's scales and zu (zero point + 8 at 4 bits; the default where zeros is NULL) as fp32 [num_groups].
-// Stored scales: fp32, or bf16 (scales_bf16); zeros: fp32 zu, or int8 zero points (zeros_int8).
-static void load_qparams(const void *scales, int scales_bf16, const void *zeros, int zeros_int8, int bits, size_t j,
-                         int num_groups, float *s, float *zu) {
-    size_t at = j * num_groups;
-    for (int g = 0; g < num_groups; g++) {
-        s[g] = scales_bf16 ? bf16_to_float(((const uint16_t *)scales)[at + g]) : ((const float *)scales)[at + g];
-        if (!zeros)
-            zu[g] = bits == 4 ? 8.f : 0.f;
-        else if (zeros_int8)
-            zu[g] = (float)(((const int8_t *)zeros)[at + g] + (bits == 4 ? 8 : 0));
-        else
-            zu[g] = ((const float *)zeros)[at + g];
-    }
-}
-
-#define DOT_ROW(rows, bits) dot_row(wj, xm, sm, xscale + m0, sj, zj, rows, bits, k, group_size, out)
+#define TILE_ROWS(rows, bits)                                                                                        \
+    tile_rows(wt, st, scales_bf16, zt, zeros_kind, bits, xq + (size_t)m0 * k, xsum + (size_t)m0 * num_groups,        \
+              xscale + m0, rows, k, group_size, out)
 
 // Activation rows x [M, K] (fp32, or bf16 when is_bf16) -> xq int16 [M, K], xscale [M], xsum int32 [M, K/group_size].
 void ascq_quantize_rows(const void *x, int is_bf16, int num_rows, int k, int group_size, int16_t *xq, float *xscale,
@@ -179,51 +156,46 @@ void ascq_quantize_rows(const void *x, int is_bf16, int num_rows, int k, int gro
                      xsum + (size_t)m * (k / group_size));
 }
 
-// Output columns [j0, j1) of y [M, N] from rows quantized by ascq_quantize_rows (each column independent of the
-// others and of how columns are split across threads). Also used by fused_decode.c.
+// Output columns [j0, j1) of y [M, N] (j0 a multiple of TILE) from rows quantized by ascq_quantize_rows. Also used by
+// fused_decode.c.
 void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w, int bits,
-                              const void *scales, int scales_bf16, const void *zeros, int zeros_int8, float *y,
+                              const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
                               int num_rows, int n, int k, int group_size, int j0, int j1) {
     int num_groups = k / group_size;
-    size_t w_stride = (size_t)k * bits / 8;
-    float *sj = malloc(sizeof(float) * 2 * COLS * num_groups), *zj = sj + COLS * num_groups;
-    if (!sj) return;  // unreachable in practice (a few KB); the caller's output stays unwritten
-    int j = j0;
-    if (num_rows == 1) {
-        for (; j + COLS <= j1; j += COLS) {
-            float out[COLS];
-            for (int c = 0; c < COLS; c++)
-                load_qparams(scales, scales_bf16, zeros, zeros_int8, bits, j + c, num_groups, sj + c * num_groups,
-                             zj + c * num_groups);
-            if (bits == 4)
-                dot_cols(w + j * w_stride, w_stride, xq, xsum, xscale[0], sj, zj, 4, k, group_size, out);
-            else
-                dot_cols(w + j * w_stride, w_stride, xq, xsum, xscale[0], sj, zj, 8, k, group_size, out);
-            for (int c = 0; c < COLS; c++) y[j + c] = out[c];
-        }
-    }
-    for (; j < j1; j++) {
-        load_qparams(scales, scales_bf16, zeros, zeros_int8, bits, j, num_groups, sj, zj);
-        const uint8_t *wj = w + j * w_stride;
+    size_t tile_bytes = (size_t)k * bits, scale_size = scales_bf16 ? 2 : 4;
+    size_t zero_size = zeros_kind == ZEROS_INT8 ? 1 : (zeros_kind == ZEROS_BF16 ? 2 : 4);
+    size_t tile_qparams = (size_t)num_groups * TILE;
+    for (int j = j0; j < j1; j += TILE) {
+        size_t t = (size_t)j / TILE;
+        const uint8_t *wt = w + t * tile_bytes;
+        const void *st = (const char *)scales + t * tile_qparams * scale_size;
+        const void *zt = zeros ? (const char *)zeros + t * tile_qparams * zero_size : NULL;
+        int width = j1 - j < TILE ? j1 - j : TILE;
         for (int m0 = 0; m0 < num_rows; m0 += MAX_ROWS) {
             int rows = num_rows - m0 < MAX_ROWS ? num_rows - m0 : MAX_ROWS;
-            float out[MAX_ROWS];
-            const int16_t *xm = xq + (size_t)m0 * k;
-            const int32_t *sm = xsum + (size_t)m0 * num_groups;
+            __m256 out[MAX_ROWS];
             switch (rows * 16 + bits) {  // constant rows and bits inside each inlined copy
-            case 16 + 4: DOT_ROW(1, 4); break;
-            case 32 + 4: DOT_ROW(2, 4); break;
-            case 48 + 4: DOT_ROW(3, 4); break;
-            case 64 + 4: DOT_ROW(4, 4); break;
-            case 16 + 8: DOT_ROW(1, 8); break;
-            case 32 + 8: DOT_ROW(2, 8); break;
-            case 48 + 8: DOT_ROW(3, 8); break;
-            default: DOT_ROW(4, 8); break;
+            case 16 + 4: TILE_ROWS(1, 4); break;
+            case 32 + 4: TILE_ROWS(2, 4); break;
+            case 48 + 4: TILE_ROWS(3, 4); break;
+            case 64 + 4: TILE_ROWS(4, 4); break;
+            case 16 + 8: TILE_ROWS(1, 8); break;
+            case 32 + 8: TILE_ROWS(2, 8); break;
+            case 48 + 8: TILE_ROWS(3, 8); break;
+            default: TILE_ROWS(4, 8); break;
             }
-            for (int m = 0; m < rows; m++) y[(size_t)(m0 + m) * n + j] = out[m];
+            for (int r = 0; r < rows; r++) {
+                float *dst = y + (size_t)(m0 + r) * n + j;
+                if (width == TILE) {
+                    _mm256_storeu_ps(dst, out[r]);
+                } else {
+                    float values[TILE];
+                    _mm256_storeu_ps(values, out[r]);
+                    memcpy(dst, values, sizeof(float) * width);
+                }
+            }
         }
     }
-    free(sj);
 }
 
 // Whether ascq_weight_only_mm accepts these shapes.
@@ -233,15 +205,16 @@ int ascq_weight_only_shapes_ok(int bits, int k, int group_size) {
            group_size <= max_group;
 }
 
-// x [M, K] (fp32, or bf16 when is_bf16) -> y [M, N] fp32. w: `bits` (4 or 8) weights in the layout above;
-// scales [N, K/group_size] fp32 or bf16 (scales_bf16), zeros the same shape, fp32 zu (zero point + 8 at 4 bits) or
-// int8 zero points (zeros_int8), NULL: symmetric. num_threads: torch.get_num_threads() of the caller.
+// x [M, K] (fp32, or bf16 when is_bf16) -> y [M, N] fp32. w, scales, zeros: the tiled layout above (zeros NULL:
+// symmetric; zeros_kind says their type). num_threads: torch.get_num_threads() of the caller.
 // Requires K % 32 == 0, group_size % 32 == 0, K % group_size == 0, group_size <= 4096 (2048 at 8 bits).
 // Returns 0, or -1 on bad input.
 int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, const void *scales, int scales_bf16,
-                        const void *zeros, int zeros_int8, float *y, int num_rows, int n, int k, int group_size,
+                        const void *zeros, int zeros_kind, float *y, int num_rows, int n, int k, int group_size,
                         int num_threads) {
-    if (!ascq_weight_only_shapes_ok(bits, k, group_size) || num_rows < 1 || num_threads < 1) return -1;
+    if (!ascq_weight_only_shapes_ok(bits, k, group_size) || num_rows < 1 || n < 1 || num_threads < 1 ||
+        zeros_kind < ZEROS_NONE || zeros_kind > ZEROS_FP32 || (zeros_kind == ZEROS_NONE) != (zeros == NULL))
+        return -1;
     int num_groups = k / group_size;
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)num_rows * k);
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)num_rows * num_groups);
@@ -251,11 +224,13 @@ int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, 
         return -1;
     }
     ascq_quantize_rows(x, is_bf16, num_rows, k, group_size, xq, xscale, xsum);
-#pragma omp parallel num_threads(num_threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        ascq_weight_only_columns(xq, xsum, xscale, w, bits, scales, scales_bf16, zeros, zeros_int8, y, num_rows, n,
-                                 k, group_size, (int)((long)n * t / nt), (int)((long)n * (t + 1) / nt));
+    int num_tiles = (n + TILE - 1) / TILE, num_chunks = (num_tiles + CHUNK_TILES - 1) / CHUNK_TILES;
+    // chunks taken by whichever thread is free: a descheduled thread (a shared machine) delays only its chunk
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int c = 0; c < num_chunks; c++) {
+        int j0 = c * CHUNK_TILES * TILE, j1 = j0 + CHUNK_TILES * TILE < n ? j0 + CHUNK_TILES * TILE : n;
+        ascq_weight_only_columns(xq, xsum, xscale, w, bits, scales, scales_bf16, zeros, zeros_kind, y, num_rows, n,
+                                 k, group_size, j0, j1);
     }
     free(xq), free(xsum), free(xscale);
     return 0;

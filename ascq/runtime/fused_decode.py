@@ -34,7 +34,7 @@ KINDS = {"dense": 0}  # native kernels: their bit width
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in ("kind", "n", "k", "group_size", "scales_bf16", "zeros_int8")]
+    _fields_ = [(name, ctypes.c_int) for name in ("kind", "n", "k", "group_size", "scales_bf16", "zeros_kind")]
     _fields_ += [(name, ctypes.c_void_p) for name in ("weight", "scales", "zeros", "bias")]
 
 
@@ -48,7 +48,7 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                                   "intermediate", "block_size", "num_cache_blocks")]
     _fields_ += [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("silu_table", ctypes.c_void_p),
-                 ("layers", ctypes.POINTER(_Layer))]
+                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -84,9 +84,9 @@ def _linear_struct(linear: LinearBase) -> tuple[_Linear, int]:
         return _Linear(0, n, k, 0, 0, 0, p.weight.data_ptr(), None, None, bias), cpu.DENSE_BF16_MAX_M - 1
     w = p.packed
     scales_bf16 = int(w.scales.dtype == torch.bfloat16)
-    zeros_int8 = int(w.zeros is not None and w.zeros.dtype == torch.int8)
-    return (_Linear(p.weights.num_bits, p.out_features, p.weights.in_features, w.group_size, scales_bf16, zeros_int8,
-                    w.packed.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), bias), cpu.NATIVE_MAX_M - 1)
+    zeros_kind = native.ZERO_KINDS[None if w.zeros is None else w.zeros.dtype]
+    return (_Linear(w.bits, w.n, w.k, w.group_size, scales_bf16, zeros_kind, w.data.data_ptr(), w.scales.data_ptr(),
+                    _ptr(w.zeros), bias), cpu.NATIVE_MAX_M - 1)
 
 
 def unsupported_reason(model: DecoderModel) -> str | None:
@@ -109,9 +109,9 @@ def unsupported_reason(model: DecoderModel) -> str | None:
                 return reason
         if attn.attn.k_cache.dtype != torch.bfloat16 or attn.attn.v_cache.dtype != torch.bfloat16:
             return "the KV cache is not bf16"
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(n.weight.dtype != torch.bfloat16 or n.eps != model.layers[0].input_layernorm.eps for n in norms):
-            return "norm weights are not bf16 or norms differ in eps"
+    norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if any(n.weight.dtype != torch.bfloat16 or n.eps != model.norm.eps for n in [*norms, model.norm]):
+        return "norm weights are not bf16 or norms differ in eps"
     return None
 
 
@@ -130,9 +130,10 @@ class FusedDecode:
         self.model = model
         self.silu = silu_table()
         self.plan: _Plan | None = None
+        self.attentions = [layer.self_attn.attn for layer in model.layers]  # looked up once: Module.__getattr__ is slow
 
     def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache) for layer in self.model.layers]
+        return [(a.k_cache, a.v_cache) for a in self.attentions]
 
     def _build(self) -> _Plan:
         layers = self.model.layers
@@ -155,14 +156,15 @@ class FusedDecode:
             len(layers), self.model.embed_tokens.weight.shape[1], first.num_heads, first.num_kv_heads, first.head_dim,
             mlp.down_proj.prepared.weights.in_features, k_cache.shape[1], k_cache.shape[0],
             layers[0].input_layernorm.eps, first.attn.scale, self.silu.data_ptr(),
-            ctypes.cast(structs, ctypes.POINTER(_Layer)),
+            ctypes.cast(structs, ctypes.POINTER(_Layer)), self.model.norm.weight.data_ptr(),
         )
         return _Plan(model, structs, self._caches(), max_rows)
 
     def __call__(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """x: the step's embeddings [T, hidden] -> (last layer's output, residual), or None where not applicable."""
+    ) -> torch.Tensor | None:
+        """x: the step's embeddings [T, hidden] -> the final hidden states (after the model's norm), or None where
+        not applicable."""
         if meta.max_query_len != 1 or x.dtype != torch.bfloat16:
             return None
         if self.plan is None or any(a is not k or b is not v for (a, b), (k, v) in zip(self.plan.caches, self._caches(),
@@ -178,13 +180,13 @@ class FusedDecode:
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.seq_lens.to(torch.int32).contiguous()
         status = native.load().ascq_fused_decode(
-            ctypes.byref(self.plan.struct), x.data_ptr(), residual.data_ptr(), 1, num_rows, slots.data_ptr(),
+            ctypes.byref(self.plan.struct), x.data_ptr(), residual.data_ptr(), num_rows, slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             torch.get_num_threads(),
         )
         if status != 0:
             raise ValueError("fused decode rejected the step (shapes, sequence lengths, slots or block ids)")
-        return x, residual
+        return x
 
 
 def enabled() -> bool:

@@ -37,7 +37,7 @@ LM_HEAD_QUANT_ENV = "ASCQ_LM_HEAD_QUANT"
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    int8: tuple[torch.Tensor, torch.Tensor, int] | None = None  # opt-in: (int8 weight, fp32 scales, group size)
+    int8: native.PackedWeights | None = None  # opt-in int8 copy
 
     def quantize_int8(self) -> None:
         """Opt-in, and it changes the logits: keep an int8 per-row symmetric copy of the head (half the bytes per
@@ -51,13 +51,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         group = cpu.native_per_channel_group_size(k, 8)
         if group is None or native.load() is None:
             raise ValueError(f"int8 LM head needs the native kernels and hidden size % 32 == 0 (got {k})")
-        self.int8 = (q, scale.repeat_interleave(k // group, 1).contiguous(), group)
+        self.int8 = native.pack(q, 8, scale.repeat_interleave(k // group, 1), None, group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 [T, vocab]."""
         if self.int8 is not None and 0 < hidden.shape[0] < cpu.NATIVE_MAX_M:
-            q, scales, group = self.int8
-            logits = native.weight_only_mm(None, hidden, q, 8, scales, None, group)
+            logits = native.weight_only_mm(None, hidden, self.int8)
             return all_gather_last_dim(logits) if self.tp_size > 1 else logits
         logits = cpu.bf16_small_m_linear(hidden, self.weight) if self.weight.device.type == "cpu" else None
         if logits is None:

@@ -101,8 +101,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """`fused_decode`: runs a pure decode step's layers in one native call (set by the model runner; see
-    runtime/fused_decode.py), returning None for steps it does not take."""
+    """`fused_decode`: runs a pure decode step's layers and final norm in one native call (set by the model runner;
+    see runtime/fused_decode.py), returning None for steps it does not take."""
 
     fused_decode: Callable | None = None
 
@@ -117,10 +117,9 @@ class DecoderModel(nn.Module):
         cos_sin = self.layers[0].self_attn.rotary_emb.cos_sin(positions, x.dtype) if len(self.layers) else None
         fused = self.fused_decode(x, cos_sin, meta) if self.fused_decode is not None else None
         if fused is not None:
-            x, residual = fused
-        else:
-            for layer in self.layers:
-                x, residual = layer(positions, x, residual, meta, cos_sin)
+            return fused
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta, cos_sin)
         x, _ = self.norm(x, residual)
         return x
 
