@@ -6,7 +6,8 @@ the imported checkpoint(s) in-process (`LLMEngine`). Both use `--threads` thread
 
 - batch 1: one request at a time, `--decode-tokens` new tokens after a 32-token prompt; decode tok/s = tokens after
   the first / time after the first (llama.cpp: its own `timings.predicted_per_second`, which excludes the prompt).
-- batched: `--num-requests` requests (prompts 64-512 tokens, 64-256 new tokens, seeded), llama-server with
+- batched: `--num-requests` requests (prompts 64-512 tokens, 64-256 new tokens, seeded, new ones each round so
+  no side reuses a cached prompt: llama.cpp runs with `cache_prompt` off, ascq's prefix cache is per engine), llama-server with
   `--parallel 16` driven at concurrency 16, vs ascq `LLM.generate` on all of them; output tok/s = output tokens /
   wall time.
 Rounds alternate anchor and candidates; the table reports min and median over rounds of the per-round ratios.
@@ -201,7 +202,6 @@ def main() -> None:
         llms = {name: ascq_llm(spec, max(64, args.num_requests), name not in args.no_fused, name in args.lm_head_int8)
                 for name, spec in specs.items()}
         prompt = [random.Random(args.seed).randrange(100, 4000) for _ in range(32)]
-        requests = make_requests(args.num_requests, args.seed)
         llama_decode_tps(server, prompt, 8)  # warm-ups
         for llm in llms.values():
             ascq_decode_tps(llm, prompt, 8)
@@ -213,7 +213,8 @@ def main() -> None:
                 decode[name].append(ascq_decode_tps(llm, prompt, args.decode_tokens))
             line = ", ".join(f"{n} {v[-1]:.1f}" for n, v in decode.items())
             print(f"round {r + 1} batch-1 decode tok/s: {line}", flush=True)
-            if args.num_requests:
+            if args.num_requests:  # new requests each round: ascq's prefix cache would serve a repeated prompt
+                requests = make_requests(args.num_requests, args.seed + r)
                 batched["llama.cpp"].append(llama_batched_tps(server, requests, args.concurrency))
                 batched[batched_name].append(ascq_batched_tps(llms[batched_name], requests))
                 line = ", ".join(f"{n} {v[-1]:.1f}" for n, v in batched.items())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ascq import LLM, SamplingParams
-from ascq.kernels import native
+from ascq.kernels import cpu, native
 from ascq.runtime.fused_decode import ENV
 
 SMOLLM2 = Path("/work/main/zoo/smollm2-135m-instruct")
@@ -73,10 +73,11 @@ def test_w4a16_tiny_llama_fused_matches_eager(tiny_llama_dir: Path, converted_en
 
 @needs_native
 def test_dense_bf16_batch_past_native_bound_falls_back(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    prompts = [[3 + (5 * i + j) % 100 for j in range(4 + i)] for i in range(8)]  # 8 rows: bf16 GEMM path in eager
+    rows = cpu.DENSE_BF16_MAX_M  # this many rows: the bf16 copy + fp32 GEMM path in eager
+    prompts = [[3 + (5 * i + j) % 100 for j in range(4 + i % 8)] for i in range(rows)]
     num_fused = assert_fused_matches_eager(tiny_llama_dir, "bfloat16", monkeypatch, prompts, max_tokens=4,
-                                           max_num_seqs=8)
-    assert num_fused < 3  # only steps with fewer than 8 running sequences (none here but a possible tail) fuse
+                                           max_num_seqs=rows)
+    assert num_fused < 3  # only steps with fewer running sequences (none here but a possible tail) fuse
 
 
 def test_unsupported_models_stay_eager(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

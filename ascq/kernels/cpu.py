@@ -2,9 +2,11 @@
 
 Paths (thresholds from `python benchmarks/kernel_speed.py`; table in the README "Kernels" section):
 - `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2): below DENSE_BF16_MAX_M rows ascq's
-  native bf16 kernel (bf16_mm.c: the rows share one pass over the weights, 2.8x torch at M=1, 3-4x at M=5, measured
-  at load 10 with `benchmarks/kernel_speed.py`-style timing), from there the bf16 weight is copied into an fp32
-  workspace and multiplied in fp32.
+  native bf16 kernel (bf16_mm.c: each weight row read once for all rows, 2.8x torch at M=1, 3-4x at M=5), from
+  there the bf16 weight is copied into an fp32 workspace and multiplied in fp32 (crossover on SmolLM2's layers,
+  quiet Zen 2 host: 3072x576 at M=64 2.34 vs 2.34 ms, 576x1536 at M=32 0.69 vs 0.62 ms). The LM head (vocab x
+  hidden, so the per-call copy is large) uses the native kernel below LM_HEAD_BF16_MAX_M rows: 49152x576 at M=64
+  38 ms vs 57 ms copy + fp32 vs 242 ms torch bf16.
 - `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
   replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as per-token
   16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, 1.5-2.5x torch's int4pack at M=1; from there
@@ -45,9 +47,10 @@ from ascq.kernels.reference import fake_quantize_input, integer_activations, sel
 __all__ = ["linear", "moe_experts", "paged_attention", "prepare_experts", "prepare_linear", "select_experts"]
 __all__ += ["write_kv_cache"]
 
-DENSE_BF16_MAX_M = 8
+DENSE_BF16_MAX_M = 32
+LM_HEAD_BF16_MAX_M = 128
 INT4PACK_MAX_M = 256
-NATIVE_MAX_M = 128
+NATIVE_MAX_M = 512  # SmolLM2 3072x576 g32: native 3.5 vs 7.5 ms at M=128, 14.1 vs 16.8 at 512, 65 vs 54 at 2048
 INT8PACK_MAX_M = 64
 FBGEMM_SPLIT_MAX_M = 256
 INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
@@ -241,11 +244,10 @@ def _dequant_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     return F.linear(fake_quantize_input(x.float(), p.weights), _dequantized(p), p.bias)
 
 
-def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """fp32 x @ weight.T by the native bf16 kernel (M < DENSE_BF16_MAX_M rows share one pass over the weights, each
-    row's result independent of M), or None where it does not apply (weight not bf16, M too large, K % 16, no
-    native library)."""
-    if weight.dtype != torch.bfloat16 or x.shape[0] >= DENSE_BF16_MAX_M or weight.shape[1] % 16:
+def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor, max_m: int = DENSE_BF16_MAX_M) -> torch.Tensor | None:
+    """fp32 x @ weight.T by the native bf16 kernel (M < max_m rows share one pass over the weights, each row's result
+    independent of M), or None where it does not apply (weight not bf16, M too large, K % 16, no native library)."""
+    if weight.dtype != torch.bfloat16 or x.shape[0] >= max_m or weight.shape[1] % 16:
         return None
     return native.bf16_mm(None, x, weight) if native.available() else None
 

@@ -27,9 +27,10 @@ void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const floa
 int ascq_weight_only_shapes_ok(int bits, int k, int group_size);
 void ascq_bf16_columns(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int j0, int j1);
 void ascq_attend_one(const float *query, const void *k_cache, const void *v_cache, int dtype,
-                     const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int group, int head_dim,
-                     int block_size, float scale, float k_scale, float v_scale, const float *fp8_values,
-                     float *scores, float *row, float *out);
+                     const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int kv_count, int group,
+                     int head_dim, int block_size, float scale, float k_scale, float v_scale,
+                     const float *fp8_values, float *scores, float *row, float *out);
+int ascq_attention_kv_per_task(int num_seqs, int num_kv_heads, int num_threads);
 
 typedef struct {
     int kind;  // 0: dense bf16 weight [n, k]; 4 or 8: weight-only bits (weight_only_mm.c layout)
@@ -263,6 +264,8 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
     int hidden = m->hidden, inter = m->intermediate, head_dim = m->head_dim;
     int q_size = m->num_heads * head_dim, kv_size = m->num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     int group = m->num_heads / m->num_kv_heads, max_len = 0;
+    int kv_per_task = ascq_attention_kv_per_task(num_rows, m->num_kv_heads, num_threads);
+    int tasks_per_row = m->num_kv_heads / kv_per_task;
     for (int b = 0; b < num_rows; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int widest = qkv_size > 2 * inter ? qkv_size : 2 * inter;
     widest = widest > hidden ? widest : hidden;
@@ -282,7 +285,7 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
     if (!failed) {
 #pragma omp parallel num_threads(num_threads)
         {
-            float *scores = malloc(sizeof(float) * ((size_t)max_len + head_dim));
+            float *scores = malloc(sizeof(float) * ((size_t)m->num_heads * max_len + head_dim));
             int mine_failed = !scores;
 #pragma omp atomic
             failed |= mine_failed;
@@ -314,12 +317,13 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
                     }
                 }
 #pragma omp for schedule(dynamic)
-                for (int task = 0; task < num_rows * m->num_heads; task++) {
-                    int b = task / m->num_heads, head = task % m->num_heads;
-                    size_t at = (size_t)b * q_size + (size_t)head * head_dim;
+                for (int task = 0; task < num_rows * tasks_per_row; task++) {
+                    int b = task / tasks_per_row, kv_head = task % tasks_per_row * kv_per_task;
+                    size_t at = (size_t)b * q_size + (size_t)kv_head * group * head_dim;
                     ascq_attend_one(query + at, L->k_cache, L->v_cache, 1, block_tables + (size_t)b * max_blocks,
-                                    seq_lens[b], m->num_kv_heads, head / group, 1, head_dim, m->block_size,
-                                    m->attn_scale, 1.f, 1.f, NULL, scores, scores + seq_lens[b], attn + at);
+                                    seq_lens[b], m->num_kv_heads, kv_head, kv_per_task, group, head_dim,
+                                    m->block_size, m->attn_scale, 1.f, 1.f, NULL, scores,
+                                    scores + (size_t)kv_per_task * group * seq_lens[b], attn + at);
                 }
 #pragma omp single
                 {

@@ -92,7 +92,9 @@ static void softmax(float *s, int n) {
     float lanes[8], total = 0.f;
     _mm256_storeu_ps(lanes, total8);
     for (int l = 0; l < 8; l++) total += lanes[l];
-    for (int pos = 0; pos < n; pos++) s[pos] /= total;
+    int pos = 0;
+    for (; pos + 8 <= n; pos += 8) _mm256_storeu_ps(s + pos, _mm256_div_ps(_mm256_loadu_ps(s + pos), _mm256_set1_ps(total)));
+    for (; pos < n; pos++) s[pos] /= total;
 }
 
 #define BF16_DIM_CHUNK 64  // output dims of the bf16 path held in registers (8 vectors)
@@ -101,50 +103,65 @@ static inline __m256 bf16x8(const uint16_t *x) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16));
 }
 
-// The bf16-cache path of attend_one (head_dim % 8 == 0): keys and values read as bf16 in registers, no row copies;
-// each query head on its own (its result does not depend on `group`), dims in chunks of BF16_DIM_CHUNK.
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+// The bf16-cache path of attend_one (head_dim % 8 == 0) for kv heads [kv_head, kv_head + kv_count) of one sequence:
+// keys and values read as bf16 in registers, no row copies, positions walked block by block; each position's key
+// rows of those kv heads (adjacent in the cache) read once for all their query heads. Each head's arithmetic is the
+// same whatever kv_count and group are (a head attended alone gives the same bits). query, out: the heads of those
+// kv heads, in order; scores [kv_count * group * seq_len].
 static void attend_bf16(const float *query, const uint16_t *k_cache, const uint16_t *v_cache,
-                        const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int group,
-                        int head_dim, int block_size, float scale, float *scores, float *out) {
-    for (int g = 0; g < group; g++) {
-        const float *q = query + (size_t)g * head_dim;
-        float *s = scores + (size_t)g * seq_len;
-        for (int pos = 0; pos < seq_len; pos++) {
-            size_t slot = (size_t)block_table[pos / block_size] * block_size + pos % block_size;
-            const uint16_t *key = k_cache + (slot * num_kv_heads + kv_head) * head_dim;
-            __m256 acc = _mm256_setzero_ps();
-            for (int i = 0; i < head_dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf16x8(key + i), acc);
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            s[pos] = _mm_cvtss_f32(h) * scale;
+                        const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int kv_count,
+                        int group, int head_dim, int block_size, float scale, float *scores, float *out) {
+    size_t row_stride = (size_t)num_kv_heads * head_dim;
+    int num_heads = kv_count * group;
+    for (int pos0 = 0; pos0 < seq_len; pos0 += block_size) {
+        const uint16_t *keys = k_cache + (size_t)block_table[pos0 / block_size] * block_size * row_stride +
+                               (size_t)kv_head * head_dim;
+        int end = seq_len - pos0 < block_size ? seq_len - pos0 : block_size;
+        for (int off = 0; off < end; off++) {
+            for (int head = 0; head < num_heads; head++) {
+                const uint16_t *key = keys + off * row_stride + (size_t)(head / group) * head_dim;
+                const float *q = query + (size_t)head * head_dim;
+                __m256 acc = _mm256_setzero_ps();
+                for (int i = 0; i < head_dim; i += 8)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf16x8(key + i), acc);
+                scores[(size_t)head * seq_len + pos0 + off] = hsum8(acc) * scale;
+            }
         }
-        softmax(s, seq_len);
+    }
+    for (int head = 0; head < num_heads; head++) softmax(scores + (size_t)head * seq_len, seq_len);
+    for (int head = 0; head < num_heads; head++) {
+        const float *s = scores + (size_t)head * seq_len;
         for (int d0 = 0; d0 < head_dim; d0 += BF16_DIM_CHUNK) {
             int width = head_dim - d0 < BF16_DIM_CHUNK ? head_dim - d0 : BF16_DIM_CHUNK;
             __m256 acc[BF16_DIM_CHUNK / 8];
             for (int c = 0; c < width / 8; c++) acc[c] = _mm256_setzero_ps();
-            for (int pos = 0; pos < seq_len; pos++) {
-                size_t slot = (size_t)block_table[pos / block_size] * block_size + pos % block_size;
-                const uint16_t *value = v_cache + (slot * num_kv_heads + kv_head) * head_dim + d0;
-                __m256 p = _mm256_set1_ps(s[pos]);
-                for (int c = 0; c < width / 8; c++) acc[c] = _mm256_fmadd_ps(p, bf16x8(value + 8 * c), acc[c]);
+            for (int pos0 = 0; pos0 < seq_len; pos0 += block_size) {
+                const uint16_t *values = v_cache + (size_t)block_table[pos0 / block_size] * block_size * row_stride +
+                                         (size_t)(kv_head + head / group) * head_dim + d0;
+                int end = seq_len - pos0 < block_size ? seq_len - pos0 : block_size;
+                for (int off = 0; off < end; off++) {
+                    const uint16_t *value = values + off * row_stride;
+                    __m256 p = _mm256_set1_ps(s[pos0 + off]);
+                    for (int c = 0; c < width / 8; c++) acc[c] = _mm256_fmadd_ps(p, bf16x8(value + 8 * c), acc[c]);
+                }
             }
-            for (int c = 0; c < width / 8; c++) _mm256_storeu_ps(out + (size_t)g * head_dim + d0 + 8 * c, acc[c]);
+            for (int c = 0; c < width / 8; c++) _mm256_storeu_ps(out + (size_t)head * head_dim + d0 + 8 * c, acc[c]);
         }
     }
 }
 
 // One sequence, one kv head: its `group` query heads attend over the first seq_len cache positions.
-static void attend_one(const float *query, const void *k_cache, const void *v_cache, int dtype,
-                       const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int group,
-                       int head_dim, int block_size, float scale, float k_scale, float v_scale,
-                       const float *fp8_values, float *scores, float *row, float *out) {
-    if (dtype == CACHE_BF16 && head_dim % 8 == 0) {
-        attend_bf16(query, k_cache, v_cache, block_table, seq_len, num_kv_heads, kv_head, group, head_dim,
-                    block_size, scale, scores, out);
-        return;
-    }
+static void attend_kv_head(const float *query, const void *k_cache, const void *v_cache, int dtype,
+                           const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int group,
+                           int head_dim, int block_size, float scale, float k_scale, float v_scale,
+                           const float *fp8_values, float *scores, float *row, float *out) {
     for (int pos = 0; pos < seq_len; pos++) {
         size_t slot = (size_t)block_table[pos / block_size] * block_size + pos % block_size;
         const float *key = load_row(k_cache, dtype, (slot * num_kv_heads + kv_head) * head_dim, head_dim, fp8_values,
@@ -167,13 +184,29 @@ static void attend_one(const float *query, const void *k_cache, const void *v_ca
     }
 }
 
-// attend_one for callers in other files (fused_decode.c): scores [group * seq_len], row [head_dim] scratch.
+// One sequence, kv heads [kv_head, kv_head + kv_count): their query heads (query, out: [kv_count * group,
+// head_dim]) attend over the first seq_len cache positions. scores [kv_count * group * seq_len], row [head_dim].
 void ascq_attend_one(const float *query, const void *k_cache, const void *v_cache, int dtype,
-                     const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int group, int head_dim,
-                     int block_size, float scale, float k_scale, float v_scale, const float *fp8_values,
-                     float *scores, float *row, float *out) {
-    attend_one(query, k_cache, v_cache, dtype, block_table, seq_len, num_kv_heads, kv_head, group, head_dim,
-               block_size, scale, k_scale, v_scale, fp8_values, scores, row, out);
+                     const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int kv_count, int group,
+                     int head_dim, int block_size, float scale, float k_scale, float v_scale,
+                     const float *fp8_values, float *scores, float *row, float *out) {
+    if (dtype == CACHE_BF16 && head_dim % 8 == 0) {
+        attend_bf16(query, k_cache, v_cache, block_table, seq_len, num_kv_heads, kv_head, kv_count, group, head_dim,
+                    block_size, scale, scores, out);
+        return;
+    }
+    for (int h = 0; h < kv_count; h++) {
+        size_t first = (size_t)h * group;
+        attend_kv_head(query + first * head_dim, k_cache, v_cache, dtype, block_table, seq_len, num_kv_heads,
+                       kv_head + h, group, head_dim, block_size, scale, k_scale, v_scale, fp8_values,
+                       scores + first * seq_len, row, out + first * head_dim);
+    }
+}
+
+// Work items of a decode-attention call: a sequence's kv heads together (its cache rows hold them side by side)
+// when there are enough sequences to keep every thread busy, else one kv head each.
+int ascq_attention_kv_per_task(int num_seqs, int num_kv_heads, int num_threads) {
+    return num_seqs >= 2 * num_threads ? num_kv_heads : 1;
 }
 
 // query fp32 [B, H, D] -> out fp32 [B, H, D]. Caches [num_blocks, block_size, Hkv, D] of `cache_dtype`
@@ -195,21 +228,23 @@ int ascq_paged_decode_attention(const float *query, const void *k_cache, const v
         }
     }
     int group = num_heads / num_kv_heads, failed = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads) reduction(| : failed)
-    for (int b = 0; b < num_seqs; b++) {
-        for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
-            float *scores = malloc(sizeof(float) * ((size_t)group * seq_lens[b] + head_dim));
-            if (!scores) {
-                failed = 1;
-                continue;
-            }
-            size_t first_head = (size_t)b * num_heads + (size_t)kv_head * group;
-            attend_one(query + first_head * head_dim, k_cache, v_cache, cache_dtype,
-                       block_tables + (size_t)b * max_blocks, seq_lens[b], num_kv_heads, kv_head, group, head_dim,
-                       block_size, scale, k_scale, v_scale, fp8_values, scores,
-                       scores + (size_t)group * seq_lens[b], out + first_head * head_dim);
-            free(scores);
+    int kv_per_task = ascq_attention_kv_per_task(num_seqs, num_kv_heads, num_threads);
+    int tasks_per_seq = num_kv_heads / kv_per_task;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
+    for (int task = 0; task < num_seqs * tasks_per_seq; task++) {
+        int b = task / tasks_per_seq, kv_head = task % tasks_per_seq * kv_per_task;
+        size_t num_task_heads = (size_t)kv_per_task * group;
+        float *scores = malloc(sizeof(float) * (num_task_heads * seq_lens[b] + head_dim));
+        if (!scores) {
+            failed = 1;
+            continue;
         }
+        size_t first_head = (size_t)b * num_heads + (size_t)kv_head * group;
+        ascq_attend_one(query + first_head * head_dim, k_cache, v_cache, cache_dtype,
+                        block_tables + (size_t)b * max_blocks, seq_lens[b], num_kv_heads, kv_head, kv_per_task, group,
+                        head_dim, block_size, scale, k_scale, v_scale, fp8_values, scores,
+                        scores + num_task_heads * seq_lens[b], out + first_head * head_dim);
+        free(scores);
     }
     return failed ? -1 : 0;
 }

@@ -58,7 +58,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.int8 is not None and 0 < hidden.shape[0] < cpu.NATIVE_MAX_M:
             logits = native.weight_only_mm(None, hidden, self.int8)
             return all_gather_last_dim(logits) if self.tp_size > 1 else logits
-        logits = cpu.bf16_small_m_linear(hidden, self.weight) if self.weight.device.type == "cpu" else None
-        if logits is None:
+        on_cpu = self.weight.device.type == "cpu"
+        logits = cpu.bf16_small_m_linear(hidden, self.weight, cpu.LM_HEAD_BF16_MAX_M) if on_cpu else None
+        if logits is None and on_cpu and self.weight.dtype == torch.bfloat16:  # AVX2 has no bf16 GEMM: fp32
+            logits = F.linear(hidden.float(), self.weight.float())
+        elif logits is None:
             logits = F.linear(hidden, self.weight)
         return (all_gather_last_dim(logits) if self.tp_size > 1 else logits).float()
