@@ -9,23 +9,13 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 #define CHUNK_COLUMNS 256
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
 #endif
 #define MAX_ROWS 6  // 12 accumulators + 2 weight registers of AVX2's 16: k = 5 proposals verify in one pass
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline __attribute__((always_inline)) __m256 load_bf16(const uint16_t *w) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
 
 static inline __attribute__((always_inline)) void dot_rows(const uint16_t *w, const float *x, int rows, int k,
                                                            float *out) {
@@ -33,13 +23,13 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t *w, co
     for (int m = 0; m < rows; m++) even[m] = odd[m] = _mm256_setzero_ps();
     for (int i = 0; i < k; i += 16) {
         if (!(i & 31)) _mm_prefetch((const char *)(w + i) + PREFETCH_BYTES, _MM_HINT_T0);
-        __m256 w0 = load_bf16(w + i), w1 = load_bf16(w + i + 8);
+        __m256 w0 = bf16x8_to_f32(w + i), w1 = bf16x8_to_f32(w + i + 8);
         for (int m = 0; m < rows; m++) {
             even[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (size_t)m * k + i), even[m]);
             odd[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + (size_t)m * k + i + 8), odd[m]);
         }
     }
-    for (int m = 0; m < rows; m++) out[m] = hsum(_mm256_add_ps(even[m], odd[m]));
+    for (int m = 0; m < rows; m++) out[m] = hsum8(_mm256_add_ps(even[m], odd[m]));
 }
 
 // Output columns [j0, j1) of y = x @ w.T (each column independent of the split). Also used by fused_decode.c.

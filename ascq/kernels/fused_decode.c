@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 void ascq_quantize_rows(const void *x, int is_bf16, int num_rows, int k, int group_size, int16_t *xq, float *xscale,
                         int32_t *xsum);
 void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w, int bits,
@@ -65,10 +67,6 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as c10:
     memcpy(&bits, &f, sizeof bits);
     if (isnan(f)) return 0x7fc0;
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
-
-static inline __m256 bf16x8_to_f32(const uint16_t *x) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16));
 }
 
 static inline void store_bf16x8(uint16_t *dst, __m256 v) {  // f32_to_bf16 of 8 lanes
@@ -258,7 +256,8 @@ static int check_step(const ascq_fused_model *m, int num_rows, const int64_t *sl
 // hidden states (the final norm of the last layer's output plus its residual stream). residual: scratch [M, hidden].
 // cos, sin bf16 [M, head_dim] of each row's position. slot_mapping [M], block_tables int32 [M, max_blocks],
 // seq_lens int32 [M] (this token included). Returns 0, or -1 on bad input.
-int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual, int num_rows, const int64_t *slot_mapping, const int32_t *block_tables, int max_blocks,
+int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual, int num_rows,
+                      const int64_t *slot_mapping, const int32_t *block_tables, int max_blocks,
                       const int32_t *seq_lens, const uint16_t *cos, const uint16_t *sin, int num_threads) {
     if (num_threads < 1 || check_step(m, num_rows, slot_mapping, block_tables, max_blocks, seq_lens)) return -1;
     int hidden = m->hidden, inter = m->intermediate, head_dim = m->head_dim;

@@ -36,6 +36,7 @@ from ascq.atomic_file import atomic_output
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c")]
+HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of the build's cache key
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
@@ -47,7 +48,7 @@ def _cache_dir() -> Path:
 
 def _compile(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in [*SOURCES, *HEADERS]]
     key = hashlib.sha256("\0".join([*texts, *FLAGS, version]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"ascq_kernels-{key}.so"
     if target.exists():

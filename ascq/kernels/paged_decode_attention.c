@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_F16 = 2, CACHE_FP8 = 3 };
 
 // Row `offset` (in elements) of a cache as fp32 values times `scale` (scale used for fp8 only): the row itself for
@@ -21,10 +23,7 @@ static const float *load_row(const void *cache, int dtype, size_t offset, int he
     if (dtype == CACHE_BF16) {
         const uint16_t *row = (const uint16_t *)cache + offset;
         int i = 0;
-        for (; i + 8 <= head_dim; i += 8) {
-            __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
-            _mm256_storeu_ps(buffer + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-        }
+        for (; i + 8 <= head_dim; i += 8) _mm256_storeu_ps(buffer + i, bf16x8_to_f32(row + i));
         for (; i < head_dim; i++) {
             uint32_t bits = (uint32_t)row[i] << 16;
             memcpy(buffer + i, &bits, sizeof bits);
@@ -46,10 +45,7 @@ static inline float dot(const float *q, const float *k, int n) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float total = _mm_cvtss_f32(s);
+    float total = hsum8(acc);
     for (; i < n; i++) total += q[i] * k[i];
     return total;
 }
@@ -93,22 +89,12 @@ static void softmax(float *s, int n) {
     _mm256_storeu_ps(lanes, total8);
     for (int l = 0; l < 8; l++) total += lanes[l];
     int pos = 0;
-    for (; pos + 8 <= n; pos += 8) _mm256_storeu_ps(s + pos, _mm256_div_ps(_mm256_loadu_ps(s + pos), _mm256_set1_ps(total)));
+    for (; pos + 8 <= n; pos += 8)
+        _mm256_storeu_ps(s + pos, _mm256_div_ps(_mm256_loadu_ps(s + pos), _mm256_set1_ps(total)));
     for (; pos < n; pos++) s[pos] /= total;
 }
 
 #define BF16_DIM_CHUNK 64  // output dims of the bf16 path held in registers (8 vectors)
-
-static inline __m256 bf16x8(const uint16_t *x) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 
 // The bf16-cache path of attend_one (head_dim % 8 == 0) for kv heads [kv_head, kv_head + kv_count) of one sequence:
 // keys and values read as bf16 in registers, no row copies, positions walked block by block; each position's key
@@ -130,7 +116,7 @@ static void attend_bf16(const float *query, const uint16_t *k_cache, const uint1
                 const float *q = query + (size_t)head * head_dim;
                 __m256 acc = _mm256_setzero_ps();
                 for (int i = 0; i < head_dim; i += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf16x8(key + i), acc);
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf16x8_to_f32(key + i), acc);
                 scores[(size_t)head * seq_len + pos0 + off] = hsum8(acc) * scale;
             }
         }
@@ -149,7 +135,8 @@ static void attend_bf16(const float *query, const uint16_t *k_cache, const uint1
                 for (int off = 0; off < end; off++) {
                     const uint16_t *value = values + off * row_stride;
                     __m256 p = _mm256_set1_ps(s[pos0 + off]);
-                    for (int c = 0; c < width / 8; c++) acc[c] = _mm256_fmadd_ps(p, bf16x8(value + 8 * c), acc[c]);
+                    for (int c = 0; c < width / 8; c++)
+                        acc[c] = _mm256_fmadd_ps(p, bf16x8_to_f32(value + 8 * c), acc[c]);
                 }
             }
             for (int c = 0; c < width / 8; c++) _mm256_storeu_ps(out + (size_t)head * head_dim + d0 + 8 * c, acc[c]);

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define TILE 8
 #define MAX_ROWS 4        // activation rows sharing one pass over a tile's weights
 #define CHUNK_TILES 8     // tiles handed to a free thread at a time
@@ -35,12 +37,8 @@ int ascq_cpu_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-static inline __m256 load8_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
 static inline __m256 load8_row(const void *x, int is_bf16, int i) {
-    return is_bf16 ? load8_bf16((const uint16_t *)x + i) : _mm256_loadu_ps((const float *)x + i);
+    return is_bf16 ? bf16x8_to_f32((const uint16_t *)x + i) : _mm256_loadu_ps((const float *)x + i);
 }
 
 // One activation row -> int16 values, its scale, and per-group sums of the int16 values. Values round to nearest
@@ -75,14 +73,16 @@ static void quantize_row(const void *x, int is_bf16, int k, int group_size, int1
 }
 
 static inline __m256 load8_scales(const void *scales, int scales_bf16, size_t at) {
-    return scales_bf16 ? load8_bf16((const uint16_t *)scales + at) : _mm256_loadu_ps((const float *)scales + at);
+    return scales_bf16 ? bf16x8_to_f32((const uint16_t *)scales + at) : _mm256_loadu_ps((const float *)scales + at);
 }
 
 static inline __m256 load8_zu(const void *zeros, int zeros_kind, size_t at, __m256 bias) {
     switch (zeros_kind) {
-    case ZEROS_INT8:
-        return _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)zeros + at)))), bias);
-    case ZEROS_BF16: return _mm256_add_ps(load8_bf16((const uint16_t *)zeros + at), bias);
+    case ZEROS_INT8: {
+        __m128i bytes = _mm_loadl_epi64((const __m128i *)((const int8_t *)zeros + at));
+        return _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), bias);
+    }
+    case ZEROS_BF16: return _mm256_add_ps(bf16x8_to_f32((const uint16_t *)zeros + at), bias);
     case ZEROS_FP32: return _mm256_add_ps(_mm256_loadu_ps((const float *)zeros + at), bias);
     default: return bias;
     }
