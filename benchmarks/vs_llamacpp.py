@@ -18,6 +18,13 @@ Building llama-server (never an ascq dependency; keep it outside the repository)
     cd llama_cpp_python-0.3.36/vendor/llama.cpp
     cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON && cmake --build build --target llama-server -j2
 
+On a CPU with AMX (e.g. a Sapphire Rapids-class VM) that GGML_NATIVE build dies with SIGILL inside ggml's AMX
+Q4_1 kernel (`tinygemm_kernel_amx`, seen 2026-12-02); build it with every other extension of such a CPU instead:
+
+    cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+        -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+        -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
     OMP_NUM_THREADS=2 python benchmarks/vs_llamacpp.py --llama-server PATH/build/bin/llama-server \\
         --gguf SmolLM2-135M-Instruct.Q4_1.gguf --ascq w4a16=zoo/smollm2-135m-instruct-w4a16 \\
         --ascq bf16=zoo/smollm2-135m-instruct:bfloat16 --rounds 3

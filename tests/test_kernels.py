@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ascq.errors import AscqError, UnsupportedError
-from ascq.kernels import WEIGHT_BITS, QuantLinearWeights, get_backend, merge_output_dim
+from ascq.kernels import WEIGHT_BITS, QuantLinearWeights, cpu, get_backend, merge_output_dim
 
 FAST_BACKENDS = (
     "cpu",
@@ -485,3 +485,67 @@ def test_backend_moe_matches_reference(backend, scheme, dtype):
             torch.bfloat16: 3e-2,
         }
         assert rel_error(y, expected) < tolerance[dtype]
+
+
+@pytest.fixture
+def bf16_gemm(monkeypatch):
+    """The AMX hosts' bf16 GEMM paths, forced on whatever this CPU is (torch's bf16 GEMM runs everywhere)."""
+    monkeypatch.setattr(cpu, "BF16_GEMM_FAST", True)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("zeros", [None, torch.int8, torch.bfloat16, torch.float32], ids=str)
+def test_native_bf16_dequantization_is_torch_dequantization_rounded(bits, zeros):
+    from ascq.kernels import native
+
+    if native.load() is None:
+        pytest.skip("no native kernel library on this host")
+    gen = torch.Generator().manual_seed(bits)
+    low, high = (-8, 8) if bits == 4 else (-128, 128)
+    q = torch.randint(low, high, (13, 128), generator=gen)  # 13: a padded last tile
+    scales = torch.rand(13, 4, generator=gen) * 0.1 + 1e-3
+    zero = None if zeros is None else torch.randn(13, 4, generator=gen) * 3
+    if zeros is torch.int8:
+        zero = zero.round()
+    elif zeros is torch.bfloat16:
+        zero = zero.bfloat16().float()
+    packed = native.pack(q, bits, scales, zero, 32, compact=zeros is not torch.float32)
+    assert (None if packed.zeros is None else packed.zeros.dtype) == zeros
+    grouped = q.float().view(13, 4, 32)
+    expected = ((grouped if zero is None else grouped - zero[..., None]) * packed_scales(packed)[..., None])
+    out = native.dequantize_bf16(None, packed, torch.empty(13, 128, dtype=torch.bfloat16))
+    assert torch.equal(out, expected.view(13, 128).bfloat16())
+
+
+def packed_scales(packed) -> torch.Tensor:
+    """The fp32 scales [n, groups] a packed weight holds (compacted to bf16 where exact)."""
+    tiles, groups, tile = packed.scales.shape
+    return packed.scales.float().transpose(1, 2).reshape(tiles * tile, groups)[: packed.n]
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a16", "dense"])
+def test_bf16_gemm_paths_match_reference_and_keep_copies_within_budget(bf16_gemm, monkeypatch, scheme):
+    w = make_weights(scheme, 72, 256, None if scheme == "dense" else 64, symmetric=False)
+    w.weight = w.weight.bfloat16() if scheme == "dense" else w.weight
+    ref = get_backend("reference")
+    for budget_mb, kept in ((0, False), (1 << 30, True)):
+        monkeypatch.setenv(cpu.BF16_WEIGHT_CACHE_ENV, str(budget_mb))
+        prepared = cpu.prepare_linear(w, torch.bfloat16)
+        for num_rows in (1, cpu.AMX_NATIVE_MAX_M, 100):
+            x = torch.randn(num_rows, 256, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+            y = cpu.linear(x, prepared)
+            assert y.dtype == torch.bfloat16
+            assert rel_error(y, ref.linear(x, ref.prepare_linear(w, torch.bfloat16))) < 2e-2, f"M={num_rows}"
+        assert (prepared.bf16_weight is not None) == (kept and prepared.kernel == "native")
+
+
+def test_lm_head_bf16_gemm_path_matches_fp32(bf16_gemm):
+    from ascq.runtime.layers.embedding import ParallelLMHead
+
+    head = ParallelLMHead(1000, 64)
+    head.weight.data = torch.randn(1000, 64).bfloat16()
+    for num_rows in (1, cpu.AMX_LM_HEAD_MIN_M, 40):
+        hidden = torch.randn(num_rows, 64).bfloat16()
+        logits = head(hidden)
+        assert logits.dtype == torch.float32
+        assert rel_error(logits, hidden.double() @ head.weight.double().T) < 1e-2

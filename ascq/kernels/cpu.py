@@ -1,4 +1,4 @@
-"""CPU backend: the fastest measured path per scheme and batch size M on this CPU (AVX2 + FMA, no VNNI / AMX).
+"""CPU backend: the fastest measured path per scheme and batch size M (AVX2 + FMA hosts; AMX hosts: see the end).
 
 Paths (thresholds from `python benchmarks/kernel_speed.py`; table in the README "Kernels" section):
 - `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2): below DENSE_BF16_MAX_M rows ascq's
@@ -24,7 +24,11 @@ Paths (thresholds from `python benchmarks/kernel_speed.py`; table in the README 
   applied after the GEMM, so a token's result never depends on the rest of the batch.
 - `dequant`: everything else (fp32 activations for weight-only schemes, group sizes the kernels lack) and large M:
   dequantize into an fp32 workspace and run an fp32 GEMM on the (fake-quantized) activations.
-The fp32 workspace is one module-level buffer grown to the largest layer: the backend is single-threaded.
+On hosts with AMX (`BF16_GEMM_FAST`) torch's bf16 GEMM is 3-6x its fp32 GEMM, so large products run in bf16
+instead: dense bf16 from DENSE_BF16_MAX_M rows, weight-only from AMX_NATIVE_MAX_M rows (dequantized into bf16), the
+LM head from AMX_LM_HEAD_MIN_M rows; activations of these schemes are bf16 already, the weights' dequantized values
+are rounded to bf16 (relative error 2^-9).
+The workspaces are module-level buffers (one per dtype) grown to the largest layer: the backend is single-threaded.
 Attention: cpu_attention.py (paged_sdpa's, with decode rows read in place by the native kernel).
 """
 
@@ -32,7 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,20 +58,50 @@ LM_HEAD_BF16_MAX_M = 128
 INT4PACK_MAX_M = 256
 NATIVE_MAX_M = 512  # SmolLM2 3072x576 g32: native 3.5 vs 7.5 ms at M=128, 14.1 vs 16.8 at 512, 65 vs 54 at 2048
 INT8PACK_MAX_M = 64
+# Where torch's bf16 GEMM runs on AMX tiles (`BF16_GEMM_FAST`), large products take it instead of the fp32 GEMM:
+AMX_NATIVE_MAX_M = 24  # weight-only: native kernel below, bf16 dequantization + bf16 GEMM from here (SmolLM2's
+# 3072x576 g32: 0.81 vs 0.56 ms at M=32, 1.59 vs 0.65 at 64, 71 vs 4.5 at 2048; 576x1536: 0.23 vs 0.29 at M=16)
+AMX_LM_HEAD_MIN_M = 8  # LM head: native bf16 kernel below, torch's bf16 GEMM from here
+BF16_GEMM_ENV = "ASCQ_BF16_GEMM"  # 1 / 0 forces the bf16 GEMM paths on / off
+# Weight-only linears on the bf16 GEMM path keep their dequantized bf16 weight (4x an int4 weight's bytes) while
+# the process total stays within this budget, instead of dequantizing on every call (SmolLM2 W4A16 at batch 64:
+# 34 ms of each decode step); past it they dequantize per call. 0 turns the copies off.
+BF16_WEIGHT_CACHE_ENV = "ASCQ_BF16_WEIGHT_CACHE_MB"
+BF16_WEIGHT_CACHE_DEFAULT_MB = 1024
+_bf16_cache_bytes = 0
 FBGEMM_SPLIT_MAX_M = 256
 INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
 ACTIVATION_SPLIT = 4  # v = 4*h + l keeps fbgemm's u8 activations within 7 bits
 INT4PACK_BLOCK_N = 32  # int4pack layout: [out/32, in, 16] bytes, low nibbles rows 0-15 of a block, high 16-31
 
-_workspace = torch.empty(0)
+_workspaces: dict[torch.dtype, torch.Tensor] = {}
 
 
-def _fp32_workspace(rows: int, cols: int) -> torch.Tensor:
-    global _workspace
-    if _workspace.numel() < rows * cols:
+def _workspace(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    buf = _workspaces.get(dtype)
+    if buf is None or buf.numel() < rows * cols:
         with torch.inference_mode(False):  # a normal tensor: the engine runs under inference mode, tests do not
-            _workspace = torch.empty(rows * cols)
-    return _workspace[: rows * cols].view(rows, cols)
+            buf = _workspaces[dtype] = torch.empty(rows * cols, dtype=dtype)
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _detect_bf16_gemm() -> bool:
+    """Whether torch's bf16 GEMM outruns its fp32 GEMM on this CPU: oneDNN runs it on AMX tiles (2-core Xeon VM with
+    AMX, 2048x576x1536: 6.4 ms bf16 vs 39 ms fp32); without AMX (AVX2 hosts) bf16 products run as GEMVs, several
+    times slower than fp32. `ASCQ_BF16_GEMM=1|0` (read at import) forces the answer."""
+    forced = os.environ.get(BF16_GEMM_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(is_amx is not None and is_amx())
+
+
+BF16_GEMM_FAST = _detect_bf16_gemm()  # a plain global: compiled decode graphs read it as a constant
+
+
+def native_max_m() -> int:
+    """The most rows + 1 the native weight-only kernel serves on this host (from there: the large-M path)."""
+    return AMX_NATIVE_MAX_M if BF16_GEMM_FAST else NATIVE_MAX_M
 
 
 @dataclass
@@ -95,6 +131,7 @@ class CpuLinear:
     zero: torch.Tensor | None = None  # fp32 [out, groups]
     packed: native.PackedWeights | Int4PackWeights | Int8PackWeights | FbgemmWeights | None = None  # the kernel's own copy
     bias: torch.Tensor | None = None  # fp32
+    bf16_weight: torch.Tensor | None = None  # AMX hosts: the dequantized weight, kept within BF16_WEIGHT_CACHE_ENV
 
 
 def _int4pack_group_size(w: QuantLinearWeights) -> int | None:
@@ -224,7 +261,7 @@ def _unpacks_exactly(p: CpuLinear) -> bool:
 
 
 def _dequantized(p: CpuLinear) -> torch.Tensor:
-    buf = _fp32_workspace(p.out_features, p.weights.in_features)
+    buf = _workspace(p.out_features, p.weights.in_features)
     if p.weight is None and p.kernel == "native":
         native.unpack_into(p.packed, buf)
     elif p.weight is None:
@@ -244,6 +281,43 @@ def _dequant_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     return F.linear(fake_quantize_input(x.float(), p.weights), _dequantized(p), p.bias)
 
 
+def _bf16_weight(p: CpuLinear) -> torch.Tensor:
+    """`p`'s dequantized weight in bf16: its kept copy, a new kept copy while the budget allows, else a workspace."""
+    global _bf16_cache_bytes
+    if p.bf16_weight is not None:
+        return p.bf16_weight
+    size = p.out_features * p.weights.in_features * 2
+    keep = _bf16_cache_bytes + size <= int(os.environ.get(BF16_WEIGHT_CACHE_ENV, BF16_WEIGHT_CACHE_DEFAULT_MB)) << 20
+    if keep:
+        with torch.inference_mode(False):  # kept across calls: a normal tensor
+            weight = torch.empty(p.out_features, p.weights.in_features, dtype=torch.bfloat16)
+    else:
+        weight = _workspace(p.out_features, p.weights.in_features, torch.bfloat16)
+    if p.kernel == "native":
+        native.dequantize_bf16(None, p.packed, weight)
+    else:
+        weight.copy_(_dequantized(p))
+    if keep:
+        p.bf16_weight, _bf16_cache_bytes = weight, _bf16_cache_bytes + size
+        weakref.finalize(weight, _release_bf16_copy, size)  # a freed model gives its budget back
+    return weight
+
+
+def _release_bf16_copy(size: int) -> None:
+    global _bf16_cache_bytes
+    _bf16_cache_bytes -= size
+
+
+def _bf16_dequant_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    """A weight-only product with bf16 activations as one bf16 GEMM on the dequantized weight (AMX hosts)."""
+    y = F.linear(x.to(torch.bfloat16), _bf16_weight(p))  # bf16, as the activations it goes back into
+    return y if p.bias is None else y.float() + p.bias
+
+
+def _large_m_weight_only(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    return _bf16_dequant_linear(x, p) if BF16_GEMM_FAST else _dequant_linear(x, p)
+
+
 def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor, max_m: int = DENSE_BF16_MAX_M) -> torch.Tensor | None:
     """fp32 x @ weight.T by the native bf16 kernel (M < max_m rows share one pass over the weights, each row's result
     independent of M), or None where it does not apply (weight not bf16, M too large, K % 16, no native library)."""
@@ -253,7 +327,7 @@ def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor, max_m: int = DENS
 
 
 def _dense_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
-    if p.weight.dtype == torch.bfloat16 and x.shape[0] >= DENSE_BF16_MAX_M:
+    if p.weight.dtype == torch.bfloat16 and x.shape[0] >= DENSE_BF16_MAX_M and not BF16_GEMM_FAST:
         return _dequant_linear(x, p)
     y = bf16_small_m_linear(x, p.weight)
     if y is not None:
@@ -264,7 +338,7 @@ def _dense_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
 
 def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= INT4PACK_MAX_M:
-        return _dequant_linear(x, p)
+        return _large_m_weight_only(x, p)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(
         x.to(torch.bfloat16).contiguous(), p.packed.packed, p.packed.group_size, p.packed.scales_and_zeros
     )
@@ -272,15 +346,15 @@ def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
 
 
 def _native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
-    if x.shape[0] >= NATIVE_MAX_M:
-        return _dequant_linear(x, p)
+    if x.shape[0] >= native_max_m():
+        return _large_m_weight_only(x, p)
     y = native.weight_only_mm(None, x, p.packed)
     return y if p.bias is None else y + p.bias
 
 
 def _int8pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= INT8PACK_MAX_M:
-        return _dequant_linear(x, p)
+        return _large_m_weight_only(x, p)
     y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), p.weight, p.packed.scales)
     return y if p.bias is None else y + p.bias
 

@@ -69,16 +69,6 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as c10:
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-static inline void store_bf16x8(uint16_t *dst, __m256 v) {  // f32_to_bf16 of 8 lanes
-    __m256i bits = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
-    _mm_storeu_si128((__m128i *)dst,
-                     _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
-}
-
 static inline __m256 round_bf16x8(__m256 v) {  // bf16_to_f32(f32_to_bf16(v)) of 8 lanes
     uint16_t rounded[8];
     store_bf16x8(rounded, v);

@@ -82,6 +82,9 @@ def load() -> ctypes.CDLL | None:
     lib.ascq_weight_only_mm.restype = ctypes.c_int
     lib.ascq_weight_only_mm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.ascq_weight_only_mm.argtypes += [ctypes.c_void_p, ctypes.c_int] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 5
+    lib.ascq_dequantize_bf16.restype = ctypes.c_int
+    lib.ascq_dequantize_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int] * 2
+    lib.ascq_dequantize_bf16.argtypes += [ctypes.c_void_p] + [ctypes.c_int] * 4
     lib.ascq_bf16_mm.restype = ctypes.c_int
     lib.ascq_bf16_mm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.ascq_paged_decode_attention.restype = ctypes.c_int
@@ -190,6 +193,20 @@ def _weight_only_mm(
     if status != 0:
         raise ValueError(f"{bits}-bit kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
     return y
+
+
+def dequantize_bf16(lib: ctypes.CDLL | None, w: PackedWeights, out: torch.Tensor) -> torch.Tensor:
+    """The dequantized weight (q - zero) * scale of `w`, rounded to bf16, written into `out` (bf16 [N, K])."""
+    lib = load() if lib is None else lib
+    assert out.dtype == torch.bfloat16 and out.shape == (w.n, w.k) and out.is_contiguous()
+    status = lib.ascq_dequantize_bf16(
+        w.data.data_ptr(), w.bits, w.scales.data_ptr(), int(w.scales.dtype == torch.bfloat16),
+        None if w.zeros is None else w.zeros.data_ptr(), ZERO_KINDS[None if w.zeros is None else w.zeros.dtype],
+        out.data_ptr(), w.n, w.k, w.group_size, torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"{w.bits}-bit dequantization rejected shapes {w.n}x{w.k}, group size {w.group_size}")
+    return out
 
 
 def bf16_mm(lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -235,3 +235,57 @@ int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, 
     free(xq), free(xsum), free(xscale);
     return 0;
 }
+
+// The dequantized weight (q - zero) * s of the tiled layout, rounded to bf16, into out [n, k] (row-major): for a bf16
+// GEMM on hosts where that is fast (AMX). Same requirements as ascq_weight_only_mm; returns 0, or -1 on bad input.
+int ascq_dequantize_bf16(const uint8_t *w, int bits, const void *scales, int scales_bf16, const void *zeros,
+                         int zeros_kind, uint16_t *out, int n, int k, int group_size, int num_threads) {
+    if (!ascq_weight_only_shapes_ok(bits, k, group_size) || n < 1 || num_threads < 1 || zeros_kind < ZEROS_NONE ||
+        zeros_kind > ZEROS_FP32 || (zeros_kind == ZEROS_NONE) != (zeros == NULL))
+        return -1;
+    int num_groups = k / group_size, num_tiles = (n + TILE - 1) / TILE, quad_bytes = 4 * bits;
+    size_t tile_qparams = (size_t)num_groups * TILE, scale_size = scales_bf16 ? 2 : 4;
+    size_t zero_size = zeros_kind == ZEROS_INT8 ? 1 : (zeros_kind == ZEROS_BF16 ? 2 : 4);
+    __m256i low_features = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    __m256i high_features = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int t = 0; t < num_tiles; t++) {
+        const uint8_t *wq = w + (size_t)t * k * bits;
+        const void *st = (const char *)scales + t * tile_qparams * scale_size;
+        const void *zt = zeros ? (const char *)zeros + t * tile_qparams * zero_size : NULL;
+        int width = n - t * TILE < TILE ? n - t * TILE : TILE;
+        __m256i offset = _mm256_set1_epi16(bits == 4 ? 8 : 0);  // q = u - 8 first, then q - zero: torch's order
+        for (int g = 0; g < num_groups; g++) {
+            __m256 s = load8_scales(st, scales_bf16, (size_t)g * TILE);
+            __m256 zu = load8_zu(zt, zeros_kind, (size_t)g * TILE, _mm256_setzero_ps());
+            __m256 s_low = _mm256_permutevar8x32_ps(s, low_features);
+            __m256 s_high = _mm256_permutevar8x32_ps(s, high_features);
+            __m256 zu_low = _mm256_permutevar8x32_ps(zu, low_features);
+            __m256 zu_high = _mm256_permutevar8x32_ps(zu, high_features);
+            for (int i = g * group_size; i < (g + 1) * group_size; i += 4, wq += quad_bytes) {
+                __m256i first, second;  // lane 2j + p: feature j's input 4q + p (first) and 4q + 2 + p (second)
+                if (bits == 4) {
+                    __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wq));
+                    first = _mm256_sub_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0f)), offset);
+                    second = _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), offset);
+                } else {
+                    first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wq));
+                    second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wq + 16)));
+                }
+                uint32_t pairs[2][TILE];  // [first / second][feature]: two bf16 values each
+                __m256i halves[2] = {first, second};
+                for (int h = 0; h < 2; h++) {
+                    __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(halves[h])));
+                    __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(halves[h], 1)));
+                    store_bf16x8((uint16_t *)pairs[h], _mm256_mul_ps(_mm256_sub_ps(low, zu_low), s_low));
+                    store_bf16x8((uint16_t *)pairs[h] + 8, _mm256_mul_ps(_mm256_sub_ps(high, zu_high), s_high));
+                }
+                for (int j = 0; j < width; j++) {
+                    uint64_t four = pairs[0][j] | (uint64_t)pairs[1][j] << 32;
+                    memcpy(out + ((size_t)t * TILE + j) * k + i, &four, sizeof four);
+                }
+            }
+        }
+    }
+    return 0;
+}

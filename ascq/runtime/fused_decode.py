@@ -9,7 +9,7 @@ Used for a step when all of these hold, else the step runs eagerly, unchanged:
   with its native library, bf16 activations and KV cache, every linear on the native weight-only kernel (W4A16 /
   W8A16) or the native bf16 kernel (dense bf16);
 - the step: one token per sequence (`max_query_len == 1`: no prefill, no speculative verification), fewer rows
-  than the linears' native-kernel thresholds (`cpu.DENSE_BF16_MAX_M` with dense layers, else `cpu.NATIVE_MAX_M`).
+  than the linears' native-kernel thresholds (`cpu.DENSE_BF16_MAX_M` with dense layers, else `cpu.native_max_m()`).
 On by default in eager mode (`enforce_eager=True`, the CPU default); `ASCQ_FUSED_DECODE=0` (or
 `ASCQ_NATIVE_KERNELS=0`) turns it off, and with decode graphs (`--no-enforce-eager`) the graphs run instead.
 """
@@ -86,7 +86,7 @@ def _linear_struct(linear: LinearBase) -> tuple[_Linear, int]:
     scales_bf16 = int(w.scales.dtype == torch.bfloat16)
     zeros_kind = native.ZERO_KINDS[None if w.zeros is None else w.zeros.dtype]
     return (_Linear(w.bits, w.n, w.k, w.group_size, scales_bf16, zeros_kind, w.data.data_ptr(), w.scales.data_ptr(),
-                    _ptr(w.zeros), bias), cpu.NATIVE_MAX_M - 1)
+                    _ptr(w.zeros), bias), cpu.native_max_m() - 1)
 
 
 def unsupported_reason(model: DecoderModel) -> str | None:
@@ -138,7 +138,7 @@ class FusedDecode:
     def _build(self) -> _Plan:
         layers = self.model.layers
         structs = (_Layer * len(layers))()
-        max_rows = cpu.NATIVE_MAX_M
+        max_rows = cpu.native_max_m()
         for layer, s in zip(layers, structs, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
