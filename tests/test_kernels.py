@@ -536,7 +536,8 @@ def test_bf16_gemm_paths_match_reference_and_keep_copies_within_budget(bf16_gemm
             y = cpu.linear(x, prepared)
             assert y.dtype == torch.bfloat16
             assert rel_error(y, ref.linear(x, ref.prepare_linear(w, torch.bfloat16))) < 2e-2, f"M={num_rows}"
-        assert (prepared.bf16_weight is not None) == (kept and prepared.kernel == "native")
+        expect_copy = kept and (prepared.kernel == "native" or prepared.bf16_prepacked)
+        assert (prepared.bf16_weight is not None) == expect_copy
 
 
 def test_lm_head_bf16_gemm_path_matches_fp32(bf16_gemm):

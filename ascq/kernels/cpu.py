@@ -63,11 +63,14 @@ AMX_NATIVE_MAX_M = 24  # weight-only: native kernel below, bf16 dequantization +
 # 3072x576 g32: 0.81 vs 0.56 ms at M=32, 1.59 vs 0.65 at 64, 71 vs 4.5 at 2048; 576x1536: 0.23 vs 0.29 at M=16)
 AMX_LM_HEAD_MIN_M = 8  # LM head: native bf16 kernel below, torch's bf16 GEMM from here
 BF16_GEMM_ENV = "ASCQ_BF16_GEMM"  # 1 / 0 forces the bf16 GEMM paths on / off
-# Weight-only linears on the bf16 GEMM path keep their dequantized bf16 weight (4x an int4 weight's bytes) while
-# the process total stays within this budget, instead of dequantizing on every call (SmolLM2 W4A16 at batch 64:
-# 34 ms of each decode step); past it they dequantize per call. 0 turns the copies off.
+# Linears on the bf16 GEMM path keep a bf16 copy of their weight (4x an int4 weight's bytes; dense bf16: a second
+# copy) while the process total stays within this budget, instead of dequantizing (and oneDNN repacking) on every call
+# (SmolLM2 W4A16 at batch 64: 34 ms of each decode step); past it they do that per call. 0 turns the copies off.
+# The kept copy is in oneDNN's blocked layout (packed for ONEDNN_PACK_ROWS rows: identical results, and on SmolLM2's
+# 3072x576 0.087 vs 0.152 ms at M = 24, 0.40 vs 0.51 at 256, 2.47 vs 2.49 at 2048 against per-call packing).
 BF16_WEIGHT_CACHE_ENV = "ASCQ_BF16_WEIGHT_CACHE_MB"
 BF16_WEIGHT_CACHE_DEFAULT_MB = 1024
+ONEDNN_PACK_ROWS = 64
 _bf16_cache_bytes = 0
 FBGEMM_SPLIT_MAX_M = 256
 INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
@@ -131,7 +134,8 @@ class CpuLinear:
     zero: torch.Tensor | None = None  # fp32 [out, groups]
     packed: native.PackedWeights | Int4PackWeights | Int8PackWeights | FbgemmWeights | None = None  # the kernel's own copy
     bias: torch.Tensor | None = None  # fp32
-    bf16_weight: torch.Tensor | None = None  # AMX hosts: the dequantized weight, kept within BF16_WEIGHT_CACHE_ENV
+    bf16_weight: torch.Tensor | None = None  # AMX hosts: the bf16 weight kept within BF16_WEIGHT_CACHE_ENV
+    bf16_prepacked: bool = False  # bf16_weight is in oneDNN's blocked layout (`_onednn_pack`)
 
 
 def _int4pack_group_size(w: QuantLinearWeights) -> int | None:
@@ -220,7 +224,7 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
     bias = None if w.bias is None else w.bias.float()
     meta = _metadata_only(w)
     if kernel == "dense":
-        return CpuLinear(kernel, meta, w.out_features, w.weight.to(dtype).contiguous(), bias=bias)
+        return _with_bf16_copy(CpuLinear(kernel, meta, w.out_features, w.weight.to(dtype).contiguous(), bias=bias))
     zero = None if w.zero_point is None else w.zero_point.float()
     p = CpuLinear(
         kernel, meta, w.out_features, w.weight.contiguous(), w.weight_scale.float(), zero, bias=bias
@@ -237,6 +241,15 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
         _prepare_fbgemm(p)
         if w.num_bits == 4:
             p.weight = None  # fbgemm keeps its own copy and serves every M
+    return _with_bf16_copy(p)
+
+
+def _with_bf16_copy(p: CpuLinear) -> CpuLinear:
+    """`p`, with its kept bf16 copy made now (load time, not the first large batch) where it will take the bf16 GEMM
+    path (`_bf16_weight`)."""
+    bf16_dense = p.kernel == "dense" and p.weight.dtype == torch.bfloat16
+    if BF16_GEMM_FAST and (bf16_dense or p.kernel in ("native", "int4pack", "int8pack")):
+        _bf16_weight(p)
     return p
 
 
@@ -281,26 +294,40 @@ def _dequant_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     return F.linear(fake_quantize_input(x.float(), p.weights), _dequantized(p), p.bias)
 
 
-def _bf16_weight(p: CpuLinear) -> torch.Tensor:
-    """`p`'s dequantized weight in bf16: its kept copy, a new kept copy while the budget allows, else a workspace."""
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 [out, in] weight reordered into oneDNN's blocked layout (what inductor's CPU freezing keeps), or None
+    where this torch build lacks the op."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _bf16_weight(p: CpuLinear) -> tuple[torch.Tensor, bool]:
+    """(`p`'s weight in bf16, whether it is oneDNN-packed): its kept copy; else a new kept (packed) copy while the
+    budget allows; else the dense weight itself or the weight dequantized into a workspace."""
     global _bf16_cache_bytes
     if p.bf16_weight is not None:
-        return p.bf16_weight
-    size = p.out_features * p.weights.in_features * 2
-    keep = _bf16_cache_bytes + size <= int(os.environ.get(BF16_WEIGHT_CACHE_ENV, BF16_WEIGHT_CACHE_DEFAULT_MB)) << 20
-    if keep:
-        with torch.inference_mode(False):  # kept across calls: a normal tensor
-            weight = torch.empty(p.out_features, p.weights.in_features, dtype=torch.bfloat16)
+        return p.bf16_weight, p.bf16_prepacked
+    if p.kernel == "dense":
+        weight = p.weight
     else:
         weight = _workspace(p.out_features, p.weights.in_features, torch.bfloat16)
-    if p.kernel == "native":
-        native.dequantize_bf16(None, p.packed, weight)
-    else:
-        weight.copy_(_dequantized(p))
-    if keep:
-        p.bf16_weight, _bf16_cache_bytes = weight, _bf16_cache_bytes + size
-        weakref.finalize(weight, _release_bf16_copy, size)  # a freed model gives its budget back
-    return weight
+        if p.kernel == "native":
+            native.dequantize_bf16(None, p.packed, weight)
+        else:
+            weight.copy_(_dequantized(p))
+    size = weight.numel() * 2
+    if _bf16_cache_bytes + size > int(os.environ.get(BF16_WEIGHT_CACHE_ENV, BF16_WEIGHT_CACHE_DEFAULT_MB)) << 20:
+        return weight, False
+    with torch.inference_mode(False):  # kept across calls: a normal tensor
+        packed = _onednn_pack(weight)
+        if packed is None and p.kernel == "dense":
+            return weight, False  # nothing to gain from a second plain copy
+        p.bf16_weight, p.bf16_prepacked = (weight.clone(), False) if packed is None else (packed, True)
+    _bf16_cache_bytes += size
+    weakref.finalize(p.bf16_weight, _release_bf16_copy, size)  # a freed model gives its budget back
+    return p.bf16_weight, p.bf16_prepacked
 
 
 def _release_bf16_copy(size: int) -> None:
@@ -308,14 +335,20 @@ def _release_bf16_copy(size: int) -> None:
     _bf16_cache_bytes -= size
 
 
-def _bf16_dequant_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
-    """A weight-only product with bf16 activations as one bf16 GEMM on the dequantized weight (AMX hosts)."""
-    y = F.linear(x.to(torch.bfloat16), _bf16_weight(p))  # bf16, as the activations it goes back into
+def _bf16_gemm_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    """x @ W.T as one bf16 GEMM on `p`'s bf16 weight (dense, or dequantized from a weight-only scheme whose activations
+    are bf16): AMX hosts, large M."""
+    weight, prepacked = _bf16_weight(p)
+    x = x.to(torch.bfloat16).contiguous()
+    if prepacked:
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [None], "")
+    else:
+        y = F.linear(x, weight)  # bf16, as the activations it goes back into
     return y if p.bias is None else y.float() + p.bias
 
 
 def _large_m_weight_only(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
-    return _bf16_dequant_linear(x, p) if BF16_GEMM_FAST else _dequant_linear(x, p)
+    return _bf16_gemm_linear(x, p) if BF16_GEMM_FAST else _dequant_linear(x, p)
 
 
 def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor, max_m: int = DENSE_BF16_MAX_M) -> torch.Tensor | None:
@@ -327,8 +360,8 @@ def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor, max_m: int = DENS
 
 
 def _dense_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
-    if p.weight.dtype == torch.bfloat16 and x.shape[0] >= DENSE_BF16_MAX_M and not BF16_GEMM_FAST:
-        return _dequant_linear(x, p)
+    if p.weight.dtype == torch.bfloat16 and x.shape[0] >= DENSE_BF16_MAX_M:
+        return _bf16_gemm_linear(x, p) if BF16_GEMM_FAST else _dequant_linear(x, p)
     y = bf16_small_m_linear(x, p.weight)
     if y is not None:
         return (y if p.bias is None else y + p.bias).to(p.weight.dtype)
