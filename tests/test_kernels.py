@@ -550,3 +550,9 @@ def test_lm_head_bf16_gemm_path_matches_fp32(bf16_gemm):
         logits = head(hidden)
         assert logits.dtype == torch.float32
         assert rel_error(logits, hidden.double() @ head.weight.double().T) < 1e-2
+
+
+def test_bf16_copy_budget_rejects_a_bad_value(bf16_gemm, monkeypatch):
+    monkeypatch.setenv(cpu.BF16_WEIGHT_CACHE_ENV, "lots")
+    with pytest.raises(AscqError, match="whole number of MiB"):
+        cpu.prepare_linear(make_weights("w4a16", 72, 256, 64), torch.bfloat16)

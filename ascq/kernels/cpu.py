@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ascq.errors import AscqError
 from ascq.kernels import QuantLinearWeights, linear_over_rows, moe, native
 from ascq.kernels.cpu_attention import paged_attention
 from ascq.kernels.paged_sdpa import write_kv_cache
@@ -248,7 +249,8 @@ def _with_bf16_copy(p: CpuLinear) -> CpuLinear:
     """`p`, with its kept bf16 copy made now (load time, not the first large batch) where it will take the bf16 GEMM
     path (`_bf16_weight`)."""
     bf16_dense = p.kernel == "dense" and p.weight.dtype == torch.bfloat16
-    if BF16_GEMM_FAST and (bf16_dense or p.kernel in ("native", "int4pack", "int8pack")):
+    eligible = bf16_dense or p.kernel in ("native", "int4pack", "int8pack")
+    if BF16_GEMM_FAST and eligible and _bf16_copy_fits(_bf16_copy_bytes(p)):
         _bf16_weight(p)
     return p
 
@@ -303,12 +305,25 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _bf16_copy_bytes(p: CpuLinear) -> int:
+    return p.out_features * p.weights.in_features * 2
+
+
+def _bf16_copy_fits(size: int) -> bool:
+    raw = os.environ.get(BF16_WEIGHT_CACHE_ENV, str(BF16_WEIGHT_CACHE_DEFAULT_MB))
+    if not raw.strip().isdigit():
+        raise AscqError(f"{BF16_WEIGHT_CACHE_ENV} must be a whole number of MiB (0: no copies), got {raw!r}")
+    return _bf16_cache_bytes + size <= int(raw) << 20
+
+
 def _bf16_weight(p: CpuLinear) -> tuple[torch.Tensor, bool]:
     """(`p`'s weight in bf16, whether it is oneDNN-packed): its kept copy; else a new kept (packed) copy while the
     budget allows; else the dense weight itself or the weight dequantized into a workspace."""
     global _bf16_cache_bytes
     if p.bf16_weight is not None:
         return p.bf16_weight, p.bf16_prepacked
+    size = _bf16_copy_bytes(p)
+    keep = _bf16_copy_fits(size)
     if p.kernel == "dense":
         weight = p.weight
     else:
@@ -317,8 +332,7 @@ def _bf16_weight(p: CpuLinear) -> tuple[torch.Tensor, bool]:
             native.dequantize_bf16(None, p.packed, weight)
         else:
             weight.copy_(_dequantized(p))
-    size = weight.numel() * 2
-    if _bf16_cache_bytes + size > int(os.environ.get(BF16_WEIGHT_CACHE_ENV, BF16_WEIGHT_CACHE_DEFAULT_MB)) << 20:
+    if not keep:
         return weight, False
     with torch.inference_mode(False):  # kept across calls: a normal tensor
         packed = _onednn_pack(weight)
