@@ -246,12 +246,22 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
 
 
 def _with_bf16_copy(p: CpuLinear) -> CpuLinear:
-    """`p`, with its kept bf16 copy made now (load time, not the first large batch) where it will take the bf16 GEMM
-    path (`_bf16_weight`)."""
+    """`p`, with a kept bf16 copy of its weight (`bf16_weight`) made at load where it will take the bf16 GEMM path
+    and the budget (BF16_WEIGHT_CACHE_ENV) allows; oneDNN-packed where this torch build can (`_onednn_pack`)."""
+    global _bf16_cache_bytes
     bf16_dense = p.kernel == "dense" and p.weight.dtype == torch.bfloat16
     eligible = bf16_dense or p.kernel in ("native", "int4pack", "int8pack")
-    if BF16_GEMM_FAST and eligible and _bf16_copy_fits(_bf16_copy_bytes(p)):
-        _bf16_weight(p)
+    size = p.out_features * p.weights.in_features * 2
+    if not (BF16_GEMM_FAST and eligible and _bf16_copy_fits(size)):
+        return p
+    with torch.inference_mode(False):  # kept across calls: a normal tensor
+        weight = _bf16_values(p)
+        packed = _onednn_pack(weight)
+        if packed is None and bf16_dense:
+            return p  # nothing to gain from a second plain copy
+        p.bf16_weight, p.bf16_prepacked = (weight.clone(), False) if packed is None else (packed, True)
+    _bf16_cache_bytes += size
+    weakref.finalize(p.bf16_weight, _release_bf16_copy, size)  # a freed model gives its budget back
     return p
 
 
@@ -305,10 +315,6 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _bf16_copy_bytes(p: CpuLinear) -> int:
-    return p.out_features * p.weights.in_features * 2
-
-
 def _bf16_copy_fits(size: int) -> bool:
     raw = os.environ.get(BF16_WEIGHT_CACHE_ENV, str(BF16_WEIGHT_CACHE_DEFAULT_MB))
     if not raw.strip().isdigit():
@@ -316,32 +322,14 @@ def _bf16_copy_fits(size: int) -> bool:
     return _bf16_cache_bytes + size <= int(raw) << 20
 
 
-def _bf16_weight(p: CpuLinear) -> tuple[torch.Tensor, bool]:
-    """(`p`'s weight in bf16, whether it is oneDNN-packed): its kept copy; else a new kept (packed) copy while the
-    budget allows; else the dense weight itself or the weight dequantized into a workspace."""
-    global _bf16_cache_bytes
-    if p.bf16_weight is not None:
-        return p.bf16_weight, p.bf16_prepacked
-    size = _bf16_copy_bytes(p)
-    keep = _bf16_copy_fits(size)
+def _bf16_values(p: CpuLinear) -> torch.Tensor:
+    """`p`'s weight in bf16 [out, in]: the dense weight itself, or the weight dequantized into a workspace."""
     if p.kernel == "dense":
-        weight = p.weight
-    else:
-        weight = _workspace(p.out_features, p.weights.in_features, torch.bfloat16)
-        if p.kernel == "native":
-            native.dequantize_bf16(None, p.packed, weight)
-        else:
-            weight.copy_(_dequantized(p))
-    if not keep:
-        return weight, False
-    with torch.inference_mode(False):  # kept across calls: a normal tensor
-        packed = _onednn_pack(weight)
-        if packed is None and p.kernel == "dense":
-            return weight, False  # nothing to gain from a second plain copy
-        p.bf16_weight, p.bf16_prepacked = (weight.clone(), False) if packed is None else (packed, True)
-    _bf16_cache_bytes += size
-    weakref.finalize(p.bf16_weight, _release_bf16_copy, size)  # a freed model gives its budget back
-    return p.bf16_weight, p.bf16_prepacked
+        return p.weight
+    weight = _workspace(p.out_features, p.weights.in_features, torch.bfloat16)
+    if p.kernel == "native":
+        return native.dequantize_bf16(None, p.packed, weight)
+    return weight.copy_(_dequantized(p))
 
 
 def _release_bf16_copy(size: int) -> None:
@@ -352,16 +340,16 @@ def _release_bf16_copy(size: int) -> None:
 def _bf16_gemm_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     """x @ W.T as one bf16 GEMM on `p`'s bf16 weight (dense, or dequantized from a weight-only scheme whose activations
     are bf16): AMX hosts, large M."""
-    weight, prepacked = _bf16_weight(p)
     x = x.to(torch.bfloat16).contiguous()
-    if prepacked:
-        y = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [None], "")
-    else:
-        y = F.linear(x, weight)  # bf16, as the activations it goes back into
+    if p.bf16_prepacked:
+        y = torch.ops.mkldnn._linear_pointwise(x, p.bf16_weight, None, "none", [None], "")
+    else:  # bf16, as the activations it goes back into
+        y = F.linear(x, _bf16_values(p) if p.bf16_weight is None else p.bf16_weight)
     return y if p.bias is None else y.float() + p.bias
 
 
-def _large_m_weight_only(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+def _large_m_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    """Rows past a kernel's threshold: one bf16 GEMM on AMX hosts, else an fp32 GEMM on the dequantized weight."""
     return _bf16_gemm_linear(x, p) if BF16_GEMM_FAST else _dequant_linear(x, p)
 
 
@@ -375,7 +363,7 @@ def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor, max_m: int = DENS
 
 def _dense_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if p.weight.dtype == torch.bfloat16 and x.shape[0] >= DENSE_BF16_MAX_M:
-        return _bf16_gemm_linear(x, p) if BF16_GEMM_FAST else _dequant_linear(x, p)
+        return _large_m_linear(x, p)
     y = bf16_small_m_linear(x, p.weight)
     if y is not None:
         return (y if p.bias is None else y + p.bias).to(p.weight.dtype)
@@ -385,7 +373,7 @@ def _dense_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
 
 def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= INT4PACK_MAX_M:
-        return _large_m_weight_only(x, p)
+        return _large_m_linear(x, p)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(
         x.to(torch.bfloat16).contiguous(), p.packed.packed, p.packed.group_size, p.packed.scales_and_zeros
     )
@@ -394,14 +382,14 @@ def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
 
 def _native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= native_max_m():
-        return _large_m_weight_only(x, p)
+        return _large_m_linear(x, p)
     y = native.weight_only_mm(None, x, p.packed)
     return y if p.bias is None else y + p.bias
 
 
 def _int8pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if x.shape[0] >= INT8PACK_MAX_M:
-        return _large_m_weight_only(x, p)
+        return _large_m_linear(x, p)
     y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), p.weight, p.packed.scales)
     return y if p.bias is None else y + p.bias
 

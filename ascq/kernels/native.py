@@ -170,6 +170,12 @@ def unpack_into(packed: PackedWeights, buf: torch.Tensor) -> torch.Tensor:
     return buf
 
 
+def qparam_args(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[int, int, int | None, int]:
+    """(scales pointer, scales_bf16, zeros pointer or None, zeros_kind): how weight_only_mm.c takes the qparams."""
+    zeros_ptr = None if zeros is None else zeros.data_ptr()
+    return scales.data_ptr(), int(scales.dtype == torch.bfloat16), zeros_ptr, ZERO_KINDS[None if zeros is None else zeros.dtype]
+
+
 def weight_only_mm(lib: ctypes.CDLL | None, x: torch.Tensor, w: PackedWeights) -> torch.Tensor:
     """x [M, K] bf16 or fp32 -> fp32 [M, N]."""
     if torch.compiler.is_compiling():
@@ -185,10 +191,8 @@ def _weight_only_mm(
     x = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     status = lib.ascq_weight_only_mm(
-        x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(), bits, scales.data_ptr(),
-        int(scales.dtype == torch.bfloat16), None if zeros is None else zeros.data_ptr(),
-        ZERO_KINDS[None if zeros is None else zeros.dtype], y.data_ptr(), x.shape[0], n, x.shape[1], group_size,
-        torch.get_num_threads(),
+        x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(), bits, *qparam_args(scales, zeros),
+        y.data_ptr(), x.shape[0], n, x.shape[1], group_size, torch.get_num_threads(),
     )
     if status != 0:
         raise ValueError(f"{bits}-bit kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
@@ -200,9 +204,8 @@ def dequantize_bf16(lib: ctypes.CDLL | None, w: PackedWeights, out: torch.Tensor
     lib = load() if lib is None else lib
     assert out.dtype == torch.bfloat16 and out.shape == (w.n, w.k) and out.is_contiguous()
     status = lib.ascq_dequantize_bf16(
-        w.data.data_ptr(), w.bits, w.scales.data_ptr(), int(w.scales.dtype == torch.bfloat16),
-        None if w.zeros is None else w.zeros.data_ptr(), ZERO_KINDS[None if w.zeros is None else w.zeros.dtype],
-        out.data_ptr(), w.n, w.k, w.group_size, torch.get_num_threads(),
+        w.data.data_ptr(), w.bits, *qparam_args(w.scales, w.zeros), out.data_ptr(), w.n, w.k, w.group_size,
+        torch.get_num_threads(),
     )
     if status != 0:
         raise ValueError(f"{w.bits}-bit dequantization rejected shapes {w.n}x{w.k}, group size {w.group_size}")

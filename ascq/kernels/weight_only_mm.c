@@ -88,6 +88,34 @@ static inline __m256 load8_zu(const void *zeros, int zeros_kind, size_t at, __m2
     }
 }
 
+// A quad of the layout widened to 16-bit lanes: lane 2j + p of `first` is feature j's input 4q + p, of `second` its
+// input 4q + 2 + p (at 4 bits the unsigned u = q + 8, at 8 bits q).
+static inline __attribute__((always_inline)) void unpack_quad(const uint8_t *quad, int bits, __m256i *first,
+                                                              __m256i *second) {
+    if (bits == 4) {
+        __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)quad));
+        *first = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+        *second = _mm256_srli_epi16(bytes, 4);
+    } else {
+        *first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)quad));
+        *second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(quad + 16)));
+    }
+}
+
+// Tile t's scales and zero points (NULL when symmetric) in the [tiles, groups, 8] qparam layout.
+static inline void tile_qparams(const void *scales, int scales_bf16, const void *zeros, int zeros_kind,
+                                int num_groups, size_t t, const void **tile_scales, const void **tile_zeros) {
+    size_t tile_qparams = (size_t)num_groups * TILE, scale_size = scales_bf16 ? 2 : 4;
+    size_t zero_size = zeros_kind == ZEROS_INT8 ? 1 : (zeros_kind == ZEROS_BF16 ? 2 : 4);
+    *tile_scales = (const char *)scales + t * tile_qparams * scale_size;
+    *tile_zeros = zeros ? (const char *)zeros + t * tile_qparams * zero_size : NULL;
+}
+
+// Whether a zero-point kind and pointer agree (ZEROS_NONE exactly when zeros is NULL).
+static int zeros_ok(const void *zeros, int zeros_kind) {
+    return zeros_kind >= ZEROS_NONE && zeros_kind <= ZEROS_FP32 && (zeros_kind == ZEROS_NONE) == (zeros == NULL);
+}
+
 static inline __m256i broadcast_pair(const int16_t *x) {
     int32_t pair;
     memcpy(&pair, x, sizeof pair);
@@ -103,7 +131,6 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
                                                            __m256 *out) {
     int num_groups = k / group_size, quad_bytes = 4 * bits;
     __m256 bias = _mm256_set1_ps(bits == 4 ? 8.f : 0.f);
-    __m256i low_nibbles = _mm256_set1_epi16(0x0f);
     __m256 total[MAX_ROWS];
     for (int r = 0; r < rows; r++) total[r] = _mm256_setzero_ps();
     const uint8_t *wq = w;
@@ -114,16 +141,8 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
         for (int i = g * group_size; i < (g + 1) * group_size; i += 64 / bits, wq += 64) {
             _mm_prefetch((const char *)wq + PREFETCH_BYTES, _MM_HINT_T0);
             for (int u = 0; u < 64 / quad_bytes; u++) {
-                const uint8_t *quad = wq + u * quad_bytes;
                 __m256i first, second;
-                if (bits == 4) {
-                    __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)quad));
-                    first = _mm256_and_si256(bytes, low_nibbles);
-                    second = _mm256_srli_epi16(bytes, 4);
-                } else {
-                    first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)quad));
-                    second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(quad + 16)));
-                }
+                unpack_quad(wq + u * quad_bytes, bits, &first, &second);
                 for (int r = 0; r < rows; r++) {
                     const int16_t *x = xq + (size_t)r * k + i + 4 * u;
                     acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(first, broadcast_pair(x)));
@@ -162,14 +181,12 @@ void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const floa
                               const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
                               int num_rows, int n, int k, int group_size, int j0, int j1) {
     int num_groups = k / group_size;
-    size_t tile_bytes = (size_t)k * bits, scale_size = scales_bf16 ? 2 : 4;
-    size_t zero_size = zeros_kind == ZEROS_INT8 ? 1 : (zeros_kind == ZEROS_BF16 ? 2 : 4);
-    size_t tile_qparams = (size_t)num_groups * TILE;
+    size_t tile_bytes = (size_t)k * bits;
     for (int j = j0; j < j1; j += TILE) {
         size_t t = (size_t)j / TILE;
         const uint8_t *wt = w + t * tile_bytes;
-        const void *st = (const char *)scales + t * tile_qparams * scale_size;
-        const void *zt = zeros ? (const char *)zeros + t * tile_qparams * zero_size : NULL;
+        const void *st, *zt;
+        tile_qparams(scales, scales_bf16, zeros, zeros_kind, num_groups, t, &st, &zt);
         int width = j1 - j < TILE ? j1 - j : TILE;
         for (int m0 = 0; m0 < num_rows; m0 += MAX_ROWS) {
             int rows = num_rows - m0 < MAX_ROWS ? num_rows - m0 : MAX_ROWS;
@@ -213,7 +230,7 @@ int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, 
                         const void *zeros, int zeros_kind, float *y, int num_rows, int n, int k, int group_size,
                         int num_threads) {
     if (!ascq_weight_only_shapes_ok(bits, k, group_size) || num_rows < 1 || n < 1 || num_threads < 1 ||
-        zeros_kind < ZEROS_NONE || zeros_kind > ZEROS_FP32 || (zeros_kind == ZEROS_NONE) != (zeros == NULL))
+        !zeros_ok(zeros, zeros_kind))
         return -1;
     int num_groups = k / group_size;
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)num_rows * k);
@@ -240,19 +257,16 @@ int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, 
 // GEMM on hosts where that is fast (AMX). Same requirements as ascq_weight_only_mm; returns 0, or -1 on bad input.
 int ascq_dequantize_bf16(const uint8_t *w, int bits, const void *scales, int scales_bf16, const void *zeros,
                          int zeros_kind, uint16_t *out, int n, int k, int group_size, int num_threads) {
-    if (!ascq_weight_only_shapes_ok(bits, k, group_size) || n < 1 || num_threads < 1 || zeros_kind < ZEROS_NONE ||
-        zeros_kind > ZEROS_FP32 || (zeros_kind == ZEROS_NONE) != (zeros == NULL))
+    if (!ascq_weight_only_shapes_ok(bits, k, group_size) || n < 1 || num_threads < 1 || !zeros_ok(zeros, zeros_kind))
         return -1;
     int num_groups = k / group_size, num_tiles = (n + TILE - 1) / TILE, quad_bytes = 4 * bits;
-    size_t tile_qparams = (size_t)num_groups * TILE, scale_size = scales_bf16 ? 2 : 4;
-    size_t zero_size = zeros_kind == ZEROS_INT8 ? 1 : (zeros_kind == ZEROS_BF16 ? 2 : 4);
     __m256i low_features = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     __m256i high_features = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int t = 0; t < num_tiles; t++) {
         const uint8_t *wq = w + (size_t)t * k * bits;
-        const void *st = (const char *)scales + t * tile_qparams * scale_size;
-        const void *zt = zeros ? (const char *)zeros + t * tile_qparams * zero_size : NULL;
+        const void *st, *zt;
+        tile_qparams(scales, scales_bf16, zeros, zeros_kind, num_groups, (size_t)t, &st, &zt);
         int width = n - t * TILE < TILE ? n - t * TILE : TILE;
         __m256i offset = _mm256_set1_epi16(bits == 4 ? 8 : 0);  // q = u - 8 first, then q - zero: torch's order
         for (int g = 0; g < num_groups; g++) {
@@ -263,17 +277,10 @@ int ascq_dequantize_bf16(const uint8_t *w, int bits, const void *scales, int sca
             __m256 zu_low = _mm256_permutevar8x32_ps(zu, low_features);
             __m256 zu_high = _mm256_permutevar8x32_ps(zu, high_features);
             for (int i = g * group_size; i < (g + 1) * group_size; i += 4, wq += quad_bytes) {
-                __m256i first, second;  // lane 2j + p: feature j's input 4q + p (first) and 4q + 2 + p (second)
-                if (bits == 4) {
-                    __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wq));
-                    first = _mm256_sub_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0f)), offset);
-                    second = _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), offset);
-                } else {
-                    first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wq));
-                    second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wq + 16)));
-                }
+                __m256i first, second;
+                unpack_quad(wq, bits, &first, &second);
                 uint32_t pairs[2][TILE];  // [first / second][feature]: two bf16 values each
-                __m256i halves[2] = {first, second};
+                __m256i halves[2] = {_mm256_sub_epi16(first, offset), _mm256_sub_epi16(second, offset)};
                 for (int h = 0; h < 2; h++) {
                     __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(halves[h])));
                     __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(halves[h], 1)));

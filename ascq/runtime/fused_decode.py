@@ -83,10 +83,9 @@ def _linear_struct(linear: LinearBase) -> tuple[_Linear, int]:
         n, k = p.weight.shape
         return _Linear(0, n, k, 0, 0, 0, p.weight.data_ptr(), None, None, bias), cpu.DENSE_BF16_MAX_M - 1
     w = p.packed
-    scales_bf16 = int(w.scales.dtype == torch.bfloat16)
-    zeros_kind = native.ZERO_KINDS[None if w.zeros is None else w.zeros.dtype]
-    return (_Linear(w.bits, w.n, w.k, w.group_size, scales_bf16, zeros_kind, w.data.data_ptr(), w.scales.data_ptr(),
-                    _ptr(w.zeros), bias), cpu.native_max_m() - 1)
+    scales, scales_bf16, zeros, zeros_kind = native.qparam_args(w.scales, w.zeros)
+    return (_Linear(w.bits, w.n, w.k, w.group_size, scales_bf16, zeros_kind, w.data.data_ptr(), scales, zeros, bias),
+            cpu.native_max_m() - 1)
 
 
 def unsupported_reason(model: DecoderModel) -> str | None:
