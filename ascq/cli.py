@@ -166,6 +166,7 @@ def convert(
     format: Annotated[str, typer.Option(help="compressed-tensors, or msmodelslim (vllm-ascend).")] = "compressed-tensors",
     eval_text: Annotated[Path | None, typer.Option(help="Text for perplexity before/after (default: the fixture eval text for ascq fixtures).")] = None,
     max_eval_tokens: Annotated[int, typer.Option(help="Perplexity before/after on this many eval tokens (0: the whole text).")] = 8192,
+    evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Measure perplexity before/after (two more forwards of every layer).")] = True,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 1GB, 500MB (held in memory until written).")] = "1GB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing entry at --out (atomically; never the source).")] = False,
 ) -> None:
@@ -176,7 +177,7 @@ def convert(
     options = ConvertOptions(
         model=model, recipes=recipe, out=out, calib=calib, num_samples=num_samples, seq_len=seq_len, device=device,
         format=format, eval_text=eval_text, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
-        max_eval_tokens=max_eval_tokens or None,
+        max_eval_tokens=max_eval_tokens or None, evaluate=evaluate,
     )  # fmt: skip
     typer.echo(format_summary(run_convert(options)))
 

@@ -4,7 +4,7 @@
         --num-samples 4 --seq-len 512 --layers 3
 
 The convert runs in this process (into a temporary folder) with timers wrapped around the converter's phases:
-loading a layer, the modifiers' calibration forwards, SmoothQuant's scale math, AWQ's α-grid and clip search,
+(Without the perplexity before/after, `--no-eval`, as `compare_llmcompressor.py` times it.) Loading a layer, the modifiers' calibration forwards, SmoothQuant's scale math, AWQ's α-grid and clip search,
 GPTQ's Hessians and solve, round-to-nearest, writing, installing the quantized weights, the propagation forward.
 Times are exclusive (a phase inside another is subtracted from it); "other" is the rest of the convert call.
 """
@@ -91,7 +91,7 @@ def main() -> None:
     convert.load_architecture = first_layers
     with tempfile.TemporaryDirectory(prefix="ascq-convert-profile-") as tmp:
         options = convert.ConvertOptions(args.model, args.recipe, out=Path(tmp) / "out", num_samples=args.num_samples,
-                                         seq_len=args.seq_len, progress=False, max_eval_tokens=None)
+                                         seq_len=args.seq_len, progress=False, evaluate=False)
         convert.convert = timed("other", convert.convert)
         start = time.perf_counter()
         convert.convert(options)

@@ -263,3 +263,14 @@ def test_awq_moe_router_is_compensated_exactly_in_the_checkpoint_dtype():
     assert not torch.equal(norm.weight, norm_before), "the MoE group was balanced"
     torch.testing.assert_close(router_logits(), before, rtol=0, atol=0)
     assert torch.equal(router_logits().topk(4).indices, before.topk(4).indices)
+
+
+def test_search_loss_is_block_or_linear():
+    from ascq.quantize.awq_modifier import AWQModifier
+    from ascq.quantize.schemes import RecipeError
+
+    base = {"scheme": "W4A16_ASYM", "targets": ["Linear"]}
+    assert not AWQModifier.from_args(base).linear_loss  # llm-compressor's: the block output
+    assert AWQModifier.from_args({**base, "search_loss": "linear"}).linear_loss
+    with pytest.raises(RecipeError, match="search_loss must be one of block, linear"):
+        AWQModifier.from_args({**base, "search_loss": "output"})

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(LIB is None, reason="native kernels need x86-64 
 def test_bf16_mm_matches_float64_and_is_batch_invariant(shape):
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=g).to(torch.bfloat16)
-    x = torch.randn(cpu.DENSE_BF16_MAX_M - 1, shape[1], generator=g)
+    x = torch.randn(31, shape[1], generator=g)  # the kernel serves any M (the threshold is the caller's)
     y = native.bf16_mm(LIB, x, weight)
     exact = x.double() @ weight.double().T
     assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max()

@@ -79,3 +79,18 @@ def test_bad_sources(tmp_path, monkeypatch):
     numbers.write_text('{"x": 1}\n')
     with pytest.raises(AscqError, match="no text column"):
         load_texts(numbers)
+
+
+def test_no_eval_skips_the_perplexity_and_rejects_an_eval_text(tiny_llama_dir, tmp_path, capsys) -> None:
+    from ascq.cli import main
+    from ascq.zoo.manifest import read_manifest
+
+    fast = ["--num-samples", "2", "--seq-len", "32"]
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", str(tiny_llama_dir), "--recipe", "w8a16", "--out", str(tmp_path / "a"), "--no-eval",
+              "--eval-text", str(tiny_llama_dir / "config.json"), *fast])
+    assert exc.value.code == 1 and "contradict" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    for flag, has_perplexity in (("--no-eval", False), ("--eval", True)):
+        entry = tmp_path / flag
+        main(["convert", str(tiny_llama_dir), "--recipe", "w8a16", "--out", str(entry), flag, *fast])
+        assert ("perplexity" in read_manifest(entry).get("metrics", {})) == has_perplexity

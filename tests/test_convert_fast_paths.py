@@ -57,8 +57,12 @@ def test_alpha_grid_gram_loss_equals_the_linear_output_loss():
     assert torch.equal(linear.weight, before)
     assert gram[2] == pytest.approx(plain[2], rel=1e-4)
     assert gram[1] == plain[1] and torch.equal(gram[0], plain[0])
-    with pytest.raises(ValueError, match="single linear"):
-        awq.search_scales(x_mean, [linear, linear], lambda: linear(x), fake_quantize, config, gram=x.t() @ x)
+    second = nn.Linear(64, 8)  # several linears reading x: the Gram loss is the MSE of their concatenated outputs
+    outputs = lambda: torch.cat([linear(x), second(x)], dim=-1)  # noqa: E731
+    plain = awq.search_scales(x_mean, [linear, second], outputs, fake_quantize, config)
+    gram = awq.search_scales(x_mean, [linear, second], None, fake_quantize, config, gram=x.t() @ x / x.shape[0])
+    assert gram[2] == pytest.approx(plain[2], rel=1e-4)
+    assert gram[1] == plain[1] and torch.equal(gram[0], plain[0])
 
 
 def test_shared_gram_cache_gives_the_same_hessians_once_per_input():
@@ -191,3 +195,86 @@ def test_capture_inputs_stops_before_the_last_linear_runs_and_sees_its_input(tin
         n = layer.post_attention_layernorm(x)
         torch.testing.assert_close(got, torch.nn.functional.silu(n @ mlp.gate_proj.weight.T) * (n @ mlp.up_proj.weight.T))
     assert ctx.balance_groups() and all(mlp_block.contains(g.smooth_layer) for g in ctx.balance_groups())
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_integer_gemm_propagation_matches_the_fake_quantized_fp32_forward(tiny_llama_dir, monkeypatch, static):
+    from ascq.kernels import cpu
+    from ascq.quantize.modifier import QuantizedLinear
+    from ascq.quantize.reference_forward import install_quantized, integer_gemm_applies
+    from ascq.quantize.schemes import LinearTarget
+
+    weights = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True)
+    activations = QuantizationArgs(num_bits=8, type="int", strategy="tensor", symmetric=True, dynamic=False) if static \
+        else W8_TOKEN
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, 256) * 2
+    outputs = {}
+    for fast in (False, True):
+        monkeypatch.setattr(cpu, "INT8_GEMM_FAST", fast)
+        arch, layer = tiny_layer(tiny_llama_dir)
+        quantized = {}
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear):
+                target = LinearTarget(weights, activations, None)
+                q, scale, _ = qmath.quantize_weight(module.weight, weights, torch.bfloat16)
+                input_scale = torch.tensor([0.05], dtype=torch.bfloat16) if static else None
+                quantized[name] = (target, QuantizedLinear(q, scale, None, input_scale))
+                assert integer_gemm_applies(target, module) == fast
+        install_quantized(fast_attention(layer), quantized, integer_gemm=True)
+        outputs[fast] = arch.forward_block(layer, None, x, torch.arange(40)[None])
+    torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(outputs[True], x)
+
+
+def _gptq_context(tiny_llama_dir, propagate_in_place: bool) -> tuple:
+    from ascq.quantize.gptq_modifier import GPTQModifier
+    from ascq.quantize.pipeline import layer_targets
+
+    arch, layer = tiny_layer(tiny_llama_dir)
+    modifier = GPTQModifier.from_args({"scheme": "W4A16_ASYM", "targets": ["Linear"], "actorder": "static"})
+    targets, _, _ = layer_targets(layer, arch.layer_prefix(0), [modifier.quant_scheme()])
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 48, 256) * 3 for _ in range(2)]
+    ctx = LayerContext(0, arch.layer_prefix(0), arch, fast_attention(layer), inputs, targets, torch.bfloat16,
+                       propagate_in_place=propagate_in_place)
+    return modifier, ctx
+
+
+def test_gptq_sequential_pass_propagates_what_the_written_weights_compute(tiny_llama_dir):
+    from ascq.quantize.reference_forward import install_quantized
+
+    modifier, ctx = _gptq_context(tiny_llama_dir, propagate_in_place=True)
+    modifier.process_layer(ctx)
+    assert ctx.propagated is not None and set(ctx.results) == set(ctx.targets) and modifier.num_quantized == 7
+    install_quantized(ctx.layer, {n: (t, ctx.results[n]) for n, t in ctx.targets.items()})
+    for propagated, x in zip(ctx.propagated, ctx.inputs, strict=True):
+        torch.testing.assert_close(propagated, ctx.forward(x), rtol=1e-5, atol=1e-5)
+    other, two_pass = _gptq_context(tiny_llama_dir, propagate_in_place=False)
+    other.process_layer(two_pass)
+    assert two_pass.propagated is None
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):  # read the layer input: same H
+        # (H summed over one batch or two: float rounding may move a rare code by one)
+        assert (two_pass.results[name].q != ctx.results[name].q).float().mean() < 0.01, name
+    # the others' H come from the quantized linears before them in the sequential pass
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        assert not torch.equal(two_pass.results[name].q, ctx.results[name].q), name
+
+
+def test_gptq_of_stacked_linears_equals_each_linears_own():
+    from ascq.quantize.gptq import GPTQConfig, gptq_quantize
+
+    torch.manual_seed(0)
+    x = torch.randn(400, 64) * (torch.rand(64) * 3)
+    hessian = 2 * x.t() @ x / x.shape[0]
+    weights = [torch.randn(32, 64), torch.randn(16, 64)]
+    config = GPTQConfig(group_size=32, actorder=True)
+
+    def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return qmath.compute_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), 4, False, torch.float32, None)
+
+    stacked = gptq_quantize(torch.cat(weights), hessian, qparams, (0, 15), config)
+    alone = [gptq_quantize(w, hessian, qparams, (0, 15), config) for w in weights]
+    for part, own in zip(zip(*(t.split([32, 16]) for t in stacked), strict=True), alone, strict=True):
+        for a, b in zip(part, own, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -7,6 +7,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils import calculate_qparams
 
+from ascq.quantize import qmath
 from ascq.quantize.gptq import CholeskyError, GPTQConfig, HessianAccumulator, gptq_quantize
 
 ASYM = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)
@@ -102,3 +103,43 @@ def test_gptq_dead_columns_and_cholesky_failure():
     assert torch.isfinite(q).all() and (q[:, 5] == 0).all()
     with pytest.raises(CholeskyError):
         gptq_quantize(w, -torch.eye(64), qparams_for(ASYM), (-8, 7), GPTQConfig(group_size=32))
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+def test_native_column_loop_matches_the_torch_loop(actorder, monkeypatch):
+    from ascq.kernels import native
+    from ascq.quantize import gptq
+
+    if native.load() is None:
+        pytest.skip("the native kernels need x86-64 AVX2 and a C compiler")
+    torch.manual_seed(0)
+    x = torch.randn(600, 256) * (torch.rand(256) * 4)
+    w = torch.randn(72, 256)
+    hessian = 2 * x.t() @ x / x.shape[0]
+    config = GPTQConfig(group_size=64, block_size=96, actorder=actorder)  # groups straddle block edges
+
+    def qparams(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return qmath.compute_qparams(t.amin(1, keepdim=True), t.amax(1, keepdim=True), 4, False, torch.float32, None)
+
+    results = {}
+    for use_native in (True, False):
+        monkeypatch.setattr(gptq.native, "available", lambda use_native=use_native: use_native)
+        results[use_native] = gptq_quantize(w, hessian, qparams, (0, 15), config)
+    (q_native, s_native, z_native), (q_torch, s_torch, z_torch) = results[True], results[False]
+    # the same operations, but torch's rank-1 update may round differently (FMA): a group's parameters can move by
+    # an ulp and a rare code by one step
+    assert ((q_native - q_torch).abs() > 1e-4).float().mean() < 0.002
+    torch.testing.assert_close(q_native, q_torch, rtol=0, atol=float(s_torch.max()) * 1.01)
+    torch.testing.assert_close(s_native, s_torch)
+    torch.testing.assert_close(z_native, z_torch)
+
+
+def test_symmetric_gram_is_the_full_product():
+    from ascq.quantize.gptq import symmetric_gram
+
+    torch.manual_seed(0)
+    for d in (100, 300, 301):  # below the split, even and odd halves
+        x = torch.randn(500, d)
+        gram = symmetric_gram(x)
+        torch.testing.assert_close(gram, x.t() @ x, rtol=1e-5, atol=1e-3)
+        assert torch.equal(gram, gram.t())

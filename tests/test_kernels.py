@@ -531,7 +531,7 @@ def test_bf16_gemm_paths_match_reference_and_keep_copies_within_budget(bf16_gemm
     for budget_mb, kept in ((0, False), (1 << 30, True)):
         monkeypatch.setenv(cpu.BF16_WEIGHT_CACHE_ENV, str(budget_mb))
         prepared = cpu.prepare_linear(w, torch.bfloat16)
-        for num_rows in (1, cpu.AMX_NATIVE_MAX_M, 100):
+        for num_rows in (1, cpu.BF16_GEMM_NATIVE_MAX_M, 100):
             x = torch.randn(num_rows, 256, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
             y = cpu.linear(x, prepared)
             assert y.dtype == torch.bfloat16
@@ -545,7 +545,7 @@ def test_lm_head_bf16_gemm_path_matches_fp32(bf16_gemm):
 
     head = ParallelLMHead(1000, 64)
     head.weight.data = torch.randn(1000, 64).bfloat16()
-    for num_rows in (1, cpu.AMX_LM_HEAD_MIN_M, 40):
+    for num_rows in (1, cpu.BF16_GEMM_LM_HEAD_MIN_M, 40):
         hidden = torch.randn(num_rows, 64).bfloat16()
         logits = head(hidden)
         assert logits.dtype == torch.float32

@@ -144,3 +144,25 @@ def test_written_tensors_unpack_to_the_chosen_values(args, input_args):
     else:
         assert "weight_zero_point" not in out
     assert QuantizationScheme(targets=["Linear"], weights=args) == target.scheme
+
+
+def test_mse_observer_shrinks_ranges_to_lower_the_weight_error_and_unknown_observers_are_refused():
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from ascq.quantize import qmath
+    from ascq.quantize.schemes import UnsupportedError, parse_recipe_scheme
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    w[3, 5] = 8.0  # one outlier: its group's range is worth shrinking
+    errors = {}
+    for observer in ("minmax", "mse"):
+        args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, observer=observer)
+        low, high = qmath.weight_ranges(qmath.to_groups(w, "group", 64), args, torch.float32)
+        errors[observer] = (qmath.fake_quantize_weight(w, args) - w).pow(2).mean()
+        assert (high <= w.view(64, 4, 64).amax(-1)).all() and (low >= w.view(64, 4, 64).amin(-1)).all()
+    assert errors["mse"] < errors["minmax"]
+    weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}
+    for bad in ({"observer": "histogram"}, {"observer": "mse", "observer_kwargs": {"patience": 3}}):
+        with pytest.raises(UnsupportedError, match="observer"):
+            parse_recipe_scheme("GPTQModifier", {"config_groups": {"g": {"targets": ["Linear"], "weights": {**weights, **bad}}}})

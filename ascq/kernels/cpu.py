@@ -24,9 +24,9 @@ Paths (thresholds from `python benchmarks/kernel_speed.py`; table in the README 
   applied after the GEMM, so a token's result never depends on the rest of the batch.
 - `dequant`: everything else (fp32 activations for weight-only schemes, group sizes the kernels lack) and large M:
   dequantize into an fp32 workspace and run an fp32 GEMM on the (fake-quantized) activations.
-On hosts with AMX (`BF16_GEMM_FAST`) torch's bf16 GEMM is 3-6x its fp32 GEMM, so large products run in bf16
-instead: dense bf16 from DENSE_BF16_MAX_M rows, weight-only from AMX_NATIVE_MAX_M rows (dequantized into bf16), the
-LM head from AMX_LM_HEAD_MIN_M rows; activations of these schemes are bf16 already, the weights' dequantized values
+On hosts with AMX or AVX-512 BF16 (`BF16_GEMM_FAST`) torch's bf16 GEMM is 3-6x its fp32 GEMM, so large products run in bf16
+instead: dense bf16 from DENSE_BF16_MAX_M rows, weight-only from BF16_GEMM_NATIVE_MAX_M rows (dequantized into bf16), the
+LM head from BF16_GEMM_LM_HEAD_MIN_M rows; activations of these schemes are bf16 already, the weights' dequantized values
 are rounded to bf16 (relative error 2^-9).
 The workspaces are module-level buffers (one per dtype) grown to the largest layer: the backend is single-threaded.
 Attention: cpu_attention.py (paged_sdpa's, with decode rows read in place by the native kernel).
@@ -60,9 +60,9 @@ INT4PACK_MAX_M = 256
 NATIVE_MAX_M = 512  # SmolLM2 3072x576 g32: native 3.5 vs 7.5 ms at M=128, 14.1 vs 16.8 at 512, 65 vs 54 at 2048
 INT8PACK_MAX_M = 64
 # Where torch's bf16 GEMM runs on AMX tiles (`BF16_GEMM_FAST`), large products take it instead of the fp32 GEMM:
-AMX_NATIVE_MAX_M = 24  # weight-only: native kernel below, bf16 dequantization + bf16 GEMM from here (SmolLM2's
+BF16_GEMM_NATIVE_MAX_M = 24  # weight-only: native kernel below, bf16 dequantization + bf16 GEMM from here (SmolLM2's
 # 3072x576 g32: 0.81 vs 0.56 ms at M=32, 1.59 vs 0.65 at 64, 71 vs 4.5 at 2048; 576x1536: 0.23 vs 0.29 at M=16)
-AMX_LM_HEAD_MIN_M = 8  # LM head: native bf16 kernel below, torch's bf16 GEMM from here
+BF16_GEMM_LM_HEAD_MIN_M = 8  # LM head: native bf16 kernel below, torch's bf16 GEMM from here
 BF16_GEMM_ENV = "ASCQ_BF16_GEMM"  # 1 / 0 forces the bf16 GEMM paths on / off
 # Linears on the bf16 GEMM path keep a bf16 copy of their weight (4x an int4 weight's bytes; dense bf16: a second
 # copy) while the process total stays within this budget, instead of dequantizing (and oneDNN repacking) on every call
@@ -89,23 +89,37 @@ def _workspace(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torc
     return buf[: rows * cols].view(rows, cols)
 
 
-def _detect_bf16_gemm() -> bool:
-    """Whether torch's bf16 GEMM outruns its fp32 GEMM on this CPU: oneDNN runs it on AMX tiles (2-core Xeon VM with
-    AMX, 2048x576x1536: 6.4 ms bf16 vs 39 ms fp32); without AMX (AVX2 hosts) bf16 products run as GEMVs, several
-    times slower than fp32. `ASCQ_BF16_GEMM=1|0` (read at import) forces the answer."""
+def _detect_bf16_gemm() -> str | None:
+    """Where torch's bf16 GEMM outruns its fp32 GEMM on this CPU, how: oneDNN runs it on AMX tiles ("amx": 2-core
+    Xeon VM, 2048x576x1536: 6.4 ms bf16 vs 39 ms fp32) or with AVX-512 BF16 dot products ("avx512_bf16": 2-core
+    AMD EPYC VM, 4096x576x1536: 225 vs 36 GFLOP/s while a build shared the cores); None without either (AVX2
+    hosts: bf16 products run as GEMVs, several times slower than fp32). `ASCQ_BF16_GEMM=1|0` (read at import)
+    forces the answer ("amx"'s thresholds when forced on)."""
     forced = os.environ.get(BF16_GEMM_ENV)
-    if forced in ("0", "1"):
-        return forced == "1"
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(is_amx is not None and is_amx())
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise AscqError(f"{BF16_GEMM_ENV} must be 0 or 1, got {forced!r}")
+        return "amx" if forced == "1" else None
+    for kind, probe in (("amx", "_is_amx_tile_supported"), ("avx512_bf16", "_is_avx512_bf16_supported")):
+        if getattr(torch.cpu, probe, lambda: False)():
+            return kind
+    return None
 
 
-BF16_GEMM_FAST = _detect_bf16_gemm()  # a plain global: compiled decode graphs read it as a constant
+BF16_GEMM_KIND = _detect_bf16_gemm()
+BF16_GEMM_FAST = BF16_GEMM_KIND is not None  # a plain global: compiled decode graphs read it as a constant
+if BF16_GEMM_KIND == "avx512_bf16":  # the packed bf16 GEMM wins from a few rows (EPYC VM, SmolLM2's shapes, ms):
+    # weight-only 3072x576 g64: native 0.097 vs 0.089 at M=2, 0.186 vs 0.087 at 4, 0.343 vs 0.124 at 8;
+    # dense bf16 3072x576: 0.151 vs 0.145 at M=2, 0.21 vs 0.165 at 4, 0.44 vs 0.20 at 8
+    BF16_GEMM_NATIVE_MAX_M, DENSE_BF16_MAX_M = 3, 4
+# torch's int8 GEMM (`torch._int_mm`, exact int32 sums) on VNNI hosts: 200-500 GFLOP/s on SmolLM2's shapes at 4096
+# rows against 60 for the fp32 GEMM (2-core AMD EPYC VM with avx512_vnni); not measured without VNNI
+INT8_GEMM_FAST = bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
 
 
 def native_max_m() -> int:
     """The most rows + 1 the native weight-only kernel serves on this host (from there: the large-M path)."""
-    return AMX_NATIVE_MAX_M if BF16_GEMM_FAST else NATIVE_MAX_M
+    return BF16_GEMM_NATIVE_MAX_M if BF16_GEMM_FAST else NATIVE_MAX_M
 
 
 @dataclass
@@ -341,11 +355,29 @@ def _bf16_gemm_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     """x @ W.T as one bf16 GEMM on `p`'s bf16 weight (dense, or dequantized from a weight-only scheme whose activations
     are bf16): AMX hosts, large M."""
     x = x.to(torch.bfloat16).contiguous()
-    if p.bf16_prepacked:
-        y = torch.ops.mkldnn._linear_pointwise(x, p.bf16_weight, None, "none", [None], "")
+    if p.bf16_prepacked and torch.compiler.is_compiling():  # inductor cannot lower the mkldnn op on a fused input
+        y = torch.ops.ascq.bf16_packed_linear(x, p.bf16_weight, p.out_features)
+    elif p.bf16_prepacked:
+        y = _packed_linear(x, p.bf16_weight, p.out_features)
     else:  # bf16, as the activations it goes back into
         y = F.linear(x, _bf16_values(p) if p.bf16_weight is None else p.bf16_weight)
     return y if p.bias is None else y.float() + p.bias
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [None], "")
+
+
+# the packed GEMM as an operator opaque to graph capture (as native.py's kernels)
+_OPS = torch.library.Library("ascq", "FRAGMENT")
+_OPS.define("bf16_packed_linear(Tensor x, Tensor weight, int out_features) -> Tensor")
+for _key in ("CPU", "MkldnnCPU"):  # the packed weight is an MKLDNN tensor where this build packs to one
+    _OPS.impl("bf16_packed_linear", _packed_linear, _key)
+
+
+@torch.library.register_fake("ascq::bf16_packed_linear", lib=_OPS)
+def _(x, weight, out_features):
+    return x.new_empty((x.shape[0], out_features), dtype=torch.bfloat16)
 
 
 def _large_m_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
@@ -353,9 +385,10 @@ def _large_m_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     return _bf16_gemm_linear(x, p) if BF16_GEMM_FAST else _dequant_linear(x, p)
 
 
-def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor, max_m: int = DENSE_BF16_MAX_M) -> torch.Tensor | None:
+def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor, max_m: int | None = None) -> torch.Tensor | None:
     """fp32 x @ weight.T by the native bf16 kernel (M < max_m rows share one pass over the weights, each row's result
     independent of M), or None where it does not apply (weight not bf16, M too large, K % 16, no native library)."""
+    max_m = DENSE_BF16_MAX_M if max_m is None else max_m  # read per call: the host's threshold, or a test's
     if weight.dtype != torch.bfloat16 or x.shape[0] >= max_m or weight.shape[1] % 16:
         return None
     return native.bf16_mm(None, x, weight) if native.available() else None

@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from ascq.atomic_file import atomic_output
+from ascq.errors import AscqError
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c")]
+           for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c", "gptq_columns.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of the build's cache key
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -62,7 +63,10 @@ def _compile(compiler: str) -> Path:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None where it cannot run (reason given once as a warning)."""
-    if os.environ.get("ASCQ_NATIVE_KERNELS", "1") == "0":
+    switch = os.environ.get("ASCQ_NATIVE_KERNELS", "1")
+    if switch not in ("0", "1"):
+        raise AscqError(f"ASCQ_NATIVE_KERNELS must be 0 or 1, got {switch!r}")
+    if switch == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
@@ -94,6 +98,9 @@ def load() -> ctypes.CDLL | None:
     lib.ascq_fused_decode.restype = ctypes.c_int
     lib.ascq_fused_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
     lib.ascq_fused_decode.argtypes += [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    lib.ascq_gptq_columns.restype = ctypes.c_int
+    lib.ascq_gptq_columns.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
+    lib.ascq_gptq_columns.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_float] * 2
     return lib
 
 
@@ -210,6 +217,22 @@ def dequantize_bf16(lib: ctypes.CDLL | None, w: PackedWeights, out: torch.Tensor
     if status != 0:
         raise ValueError(f"{w.bits}-bit dequantization rejected shapes {w.n}x{w.k}, group size {w.group_size}")
     return out
+
+
+def gptq_columns(w: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_of: torch.Tensor, first: int, last: int, float_zero_point: bool, q_range: tuple[int, int]) -> None:
+    """GPTQ's column loop over rows [first, last) of one block (gptq_columns.c), in place on `w` [rows, out] and
+    `err` [rows, out]; `u` [rows, rows] (a row-major view), `scales`/`zeros` fp32 [groups, out], `group_of` int32
+    [rows]."""
+    lib = load()
+    assert w.dtype == err.dtype == u.dtype == scales.dtype == zeros.dtype == torch.float32
+    assert w.is_contiguous() and err.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
+    assert u.stride(1) == 1 and group_of.dtype == torch.int32 and group_of.is_contiguous()
+    status = lib.ascq_gptq_columns(w.data_ptr(), w.shape[1], w.shape[0], first, last, u.data_ptr(), u.stride(0),
+                                   err.data_ptr(), scales.data_ptr(), zeros.data_ptr(), group_of.data_ptr(),
+                                   int(float_zero_point), float(q_range[0]), float(q_range[1]))
+    if status != 0:
+        raise ValueError(f"GPTQ column loop rejected rows {first}..{last} of a {tuple(w.shape)} block")
 
 
 def bf16_mm(lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ def power_of_two(scales: torch.Tensor) -> torch.Tensor:
 def search_scales(
     x_mean: torch.Tensor,
     linears: Sequence[nn.Linear],
-    block_output: Callable[[], torch.Tensor],
+    block_output: Callable[[], torch.Tensor] | None,
     fake_quantize: FakeQuantize | Sequence[FakeQuantize],
     config: AWQSearchConfig,
     exact: bool = False,
@@ -103,15 +103,14 @@ def search_scales(
     calibration input with the linears' current weights. Returns (scales [in], best α, loss per α); the linears'
     weights are restored before returning. `fake_quantize` may be one function or one per linear.
 
-    `gram`: when the block is the one linear itself, its sampled input's xᵀx / n. The loss mean((x·Dᵀ)²) of a
-    weight change D is then Σ (D·G) ⊙ D / out, without running the block (out · in² instead of n · out · in
-    multiply-adds per grid point; equal up to float rounding). `rows_independent`: every quantizer treats each row
+    `gram`: when the loss is the output of the linears themselves (the block is one linear, or the caller judges
+    a group by its linears' outputs), their shared input's xᵀx / n. The loss mean((x·Dᵀ)²) of a weight change D
+    (the linears' changes stacked as rows) is then Σ (D·G) ⊙ D / out, without running anything (out · in² instead
+    of n · out · in multiply-adds per grid point; equal up to float rounding). `rows_independent`: every quantizer treats each row
     on its own, so the scaled weights of several grid points are stacked as rows and quantized in one call.
     """
     quantizers = [fake_quantize] * len(linears) if callable(fake_quantize) else list(fake_quantize)
     w_mean = weight_mean([lin.weight for lin in linears], config.group_size) if config.duo_scaling else None
-    if gram is not None and len(linears) != 1:
-        raise ValueError("AWQ: a Gram-matrix loss needs the block to be a single linear")
     reference = block_output().float() if gram is None else None
     originals = [lin.weight.data.clone() for lin in linears]
     losses: list[float] = []
@@ -136,7 +135,7 @@ def search_scales(
                 if gram is None:
                     loss = (block_output().float() - reference).pow(2).mean().item()
                 else:
-                    change = linears[0].weight.float() - originals[0].float()
+                    change = torch.cat([lin.weight.float() - w.float() for lin, w in zip(linears, originals, strict=True)])
                     loss = ((change @ gram) * change).sum().item() / change.shape[0]
                 losses.append(loss)
                 if loss < best[0]:

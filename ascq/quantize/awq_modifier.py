@@ -17,7 +17,9 @@ held-out perplexity); the clip search still runs there. Experts with fewer route
 `min_expert_tokens` are calibrated on all tokens passed through them densely (`moe_coverage`). After the scales,
 the clip search runs on every quantized linear except q/k.
 
-Recipe (llm-compressor's shape): `AWQModifier: {scheme: W4A16_ASYM, ignore: [...], duo_scaling: true, n_grid: 20}`.
+Recipe (llm-compressor's shape): `AWQModifier: {scheme: W4A16_ASYM, ignore: [...], duo_scaling: true, n_grid: 20}`;
+ascq's own keys: `clip_search`, `max_shrink`, `clip_steps`, `min_expert_tokens`, `max_search_tokens`, `search_loss`
+(`block`: each group judged on its block's output as above; `linear`: on its linears' own outputs, see SEARCH_LOSSES).
 Without `scheme`/`config_groups` it only transforms the weights, and a later quantizing modifier (GPTQ, RTN) owns
 the targets; the search then fake-quantizes with that modifier's scheme.
 """
@@ -50,8 +52,13 @@ ARGS = {
     "clip_steps": int,
     "min_expert_tokens": int,
     "max_search_tokens": int,
+    "search_loss": str,
     "zp_dtype": str,
 }
+# what a group's α is judged on: its block's output (AutoAWQ, llm-compressor), or its linears' own outputs (the AWQ
+# paper's objective; a Gram-matrix loss over every calibration token, no forward per grid point; not for the MoE
+# expert group, whose experts read different routed tokens)
+SEARCH_LOSSES = ("block", "linear")
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # AutoAWQ: clipping q/k hurts the attention scores
 
 
@@ -65,10 +72,12 @@ class AWQModifier(Modifier):
         search: awq.AWQSearchConfig,
         clip_search: bool = True,
         min_expert_tokens: int = DEFAULT_MIN_TOKENS,
+        linear_loss: bool = False,
     ) -> None:
         self.scheme = scheme
         self.search = search
         self.clip_search = clip_search
+        self.linear_loss = linear_loss
         self.coverage = CoverageLog(self.name, min_expert_tokens)
         self.num_groups = 0
 
@@ -86,7 +95,11 @@ class AWQModifier(Modifier):
         except ValueError as exc:
             raise RecipeError(f"{cls.name}: {exc}") from None
         scheme = parse_recipe_scheme(cls.name, args)
-        return cls(scheme, search, args.get("clip_search", True), args.get("min_expert_tokens", DEFAULT_MIN_TOKENS))
+        loss = args.get("search_loss", "block")
+        if loss not in SEARCH_LOSSES:
+            raise RecipeError(f"{cls.name}: search_loss must be one of {', '.join(SEARCH_LOSSES)}, got {loss!r}")
+        return cls(scheme, search, args.get("clip_search", True), args.get("min_expert_tokens", DEFAULT_MIN_TOKENS),
+                   loss == "linear")
 
     def quant_scheme(self) -> RecipeScheme | None:
         return self.scheme
@@ -155,7 +168,11 @@ class AWQModifier(Modifier):
         block_module = ctx.module(group.block)
         budget = self.search.max_search_tokens
         gram = None
-        if calls is None:  # a single linear: its input rows are independent, sample them
+        if calls is not None and self.linear_loss and not group.exact_layers:  # judged on the linears' outputs
+            flat = _flat_cat(x)
+            gram = flat.t() @ flat / flat.shape[0]
+            block_output = None
+        elif calls is None:  # a single linear: its input rows are independent, sample them
             xs = awq.sample_tokens(_flat_cat(x), budget)
             block_output = lambda: block_module(xs)  # noqa: E731
             if modules == [block_module] and xs.shape[0] > xs.shape[1]:  # the loss follows from the weight change

@@ -53,6 +53,7 @@ class ConvertOptions:
     format: str = "compressed-tensors"
     eval_text: Path | None = None
     max_eval_tokens: int | None = 8192  # perplexity before/after on the eval text's first N tokens (None: all of it)
+    evaluate: bool = True  # False: no perplexity before/after (two forwards of every layer over the eval tokens)
     max_shard_bytes: int = 1 << 30  # pending output is held in memory up to this size
     progress: bool = True
     overwrite: bool = False  # replace an existing entry at `out` (atomically; never the source)
@@ -70,6 +71,8 @@ class ConvertOptions:
             raise AscqError(f"--max-eval-tokens must be >= {EVAL_SEQ_LEN} (one eval window), or 0 for the whole text")
         if self.max_shard_bytes < 1:
             raise AscqError("--max-shard-size must be positive")
+        if not self.evaluate and self.eval_text is not None:
+            raise AscqError("--eval-text and --no-eval contradict each other: give one")
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -147,7 +150,7 @@ def _convert(options: ConvertOptions) -> Path:
     tokenizer = _tokenizer(model_dir)
     calib = load_calibration(options.calib, tokenizer, options.num_samples, options.seq_len)
     source = _source_manifest(model_dir)
-    eval_path = options.eval_text or (EVAL_TEXT if source is not None else None)
+    eval_path = options.eval_text or (EVAL_TEXT if source is not None and options.evaluate else None)
     eval_ids = None
     if eval_path is not None:
         from ascq.evaluate import load_eval_token_ids

@@ -22,7 +22,8 @@ from ascq.quantize.gptq import CholeskyError, GPTQConfig, GramCache, HessianAccu
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
 from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, CoverageLog, dense_mlp_inputs
-from ascq.quantize.schemes import RecipeError, RecipeScheme, parse_recipe_scheme
+from ascq.quantize.reference_forward import activation_pre_hook
+from ascq.quantize.schemes import LinearTarget, RecipeError, RecipeScheme, parse_recipe_scheme
 
 log = logging.getLogger(__name__)
 ARGS = {
@@ -93,9 +94,12 @@ class GPTQModifier(Modifier):
         owned = [n for n, t in ctx.targets.items() if t.owner is self.scheme and n not in ctx.results]
         if not owned:
             return
+        experts = ctx.expert_names()
+        if ctx.propagate_in_place and not experts and all(_dynamic_or_none(ctx.targets[n]) for n in owned):
+            self._sequential(ctx, owned)
+            return
         cache = GramCache()  # linears reading the same input share its x xᵀ
         hessians = {n: HessianAccumulator(ctx.module(n).weight.shape[1], cache) for n in owned}
-        experts = ctx.expert_names()
         capture = ["mlp"] if experts else []
         cap = ctx.capture_inputs([*owned, *capture], {n: h.add for n, h in hessians.items()})
         if experts:
@@ -105,9 +109,47 @@ class GPTQModifier(Modifier):
                 if coverage.needs_dense(expert):
                     self._dense_hessians(ctx, expert, cap.inputs("mlp"), hessians)
             ctx.report["expert_coverage"] = coverage.report()
-        for name in owned:
-            ctx.results[name] = self._quantize(ctx, name, hessians[name].hessian)
-            self.num_quantized += 1
+        for names in _same_hessian(ctx, owned, hessians):
+            self._quantize_group(ctx, names, hessians[names[0]].hessian)
+
+    def _sequential(self, ctx: LayerContext, owned: list[str]) -> None:
+        """One pass of the whole layer over all calibration tokens at once: each linear is GPTQ-quantized when its
+        input arrives (with the linears that read the same input: q/k/v, gate/up) and computes its output with the
+        quantized weights, so the layer's output is already the next layer's input (GPTQ's "true sequential"
+        order: o_proj's H comes from the quantized q/k/v, down_proj's from the quantized gate/up). Costs one layer
+        forward instead of a calibration forward plus a propagation forward."""
+        siblings = {n: [n] for n in owned}
+        for group in ctx.balance_groups():
+            if not isinstance(ctx.module(group.smooth_layer), torch.nn.Linear):  # a norm: its readers share one input
+                names = [n for n in group.balance_layers if n in siblings]
+                siblings.update({n: names for n in names})
+
+        def pre_hook(name: str):
+            def hook(module: torch.nn.Module, args: tuple) -> tuple | None:
+                if name not in ctx.results:
+                    hessian = HessianAccumulator(module.weight.shape[1])
+                    hessian.add(args[0])
+                    names = [n for n in siblings[name] if n not in ctx.results]
+                    self._quantize_group(ctx, names, hessian.hessian)
+                    for n in names:
+                        ql, weights = ctx.results[n], ctx.targets[n].weights
+                        ctx.module(n).weight.data = qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, weights).to(module.weight.dtype)
+                activations = ctx.targets[name].input_activations
+                return None if activations is None else activation_pre_hook(activations, None)(module, args)
+
+            return hook
+
+        handles = [ctx.module(n).register_forward_pre_hook(pre_hook(n)) for n in owned]
+        try:
+            x = torch.cat(ctx.inputs)
+            out = ctx.arch.forward_block(ctx.layer, None, x, ctx.position_ids(x.shape[1]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        missing = sorted(set(owned) - set(ctx.results))
+        if missing:
+            raise RuntimeError(f"GPTQ: {ctx.prefix}{missing[0]} was not called in the layer's forward")
+        ctx.propagated = list(out.split([x.shape[0] for x in ctx.inputs]))
 
     def _dense_hessians(self, ctx: LayerContext, expert: str, block_inputs: list[torch.Tensor], hessians: dict) -> None:
         for proj, inputs in dense_mlp_inputs(ctx.module(expert), block_inputs).items():
@@ -117,23 +159,31 @@ class GPTQModifier(Modifier):
                 for x in inputs:
                     hessians[name].add(x)
 
-    def _quantize(self, ctx: LayerContext, name: str, hessian: torch.Tensor) -> QuantizedLinear:
-        args = ctx.targets[name].weights
-        weight = ctx.module(name).weight
+    def _quantize_group(self, ctx: LayerContext, names: list[str], hessian: torch.Tensor) -> None:
+        """GPTQ of linears that share one H and one weight scheme, as one stacked weight: its rows are solved
+        independently, so this is each linear's own GPTQ in one column loop instead of several."""
+        args = ctx.targets[names[0]].weights
+        weights = [ctx.module(n).weight for n in names]
         try:
-            deq, scale, zero = gptq_quantize(weight, hessian, _qparams(args, ctx.scale_dtype), qmath.int_range(args.num_bits), self._config(args))
+            deq, scale, zero = gptq_quantize(torch.cat(weights), hessian, _qparams(args, ctx.scale_dtype),
+                                             qmath.int_range(args.num_bits), self._config(args))
         except CholeskyError as exc:
-            message = f"GPTQ: {ctx.prefix}{name}: {exc}; falling back to round-to-nearest for this layer"
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            log.warning(message)
-            self.fallbacks.append(f"{ctx.prefix}{name}")
-            ctx.report.setdefault("gptq_rtn_fallback", []).append(name)
-            q, scale, zero_point = qmath.quantize_weight(weight, args, ctx.scale_dtype)
-            return QuantizedLinear(q, scale, zero_point)
-        scale = scale.to(ctx.scale_dtype)
-        zero_point = None if args.symmetric else zero.to(qmath.zero_point_dtype(args) or torch.int8)
-        q = qmath.quantize_with_qparams(deq, scale, zero_point, args)
-        return QuantizedLinear(q, scale, zero_point)
+            for name, weight in zip(names, weights, strict=True):
+                message = f"GPTQ: {ctx.prefix}{name}: {exc}; falling back to round-to-nearest for this layer"
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                log.warning(message)
+                self.fallbacks.append(f"{ctx.prefix}{name}")
+                ctx.report.setdefault("gptq_rtn_fallback", []).append(name)
+                q, scale, zero_point = qmath.quantize_weight(weight, args, ctx.scale_dtype)
+                ctx.results[name] = QuantizedLinear(q, scale, zero_point)
+            self.num_quantized += len(names)
+            return
+        rows = [w.shape[0] for w in weights]
+        for name, d, s, z in zip(names, deq.split(rows), scale.split(rows), zero.split(rows), strict=True):
+            s = s.to(ctx.scale_dtype)
+            zero_point = None if args.symmetric else z.to(qmath.zero_point_dtype(args) or torch.int8)
+            ctx.results[name] = QuantizedLinear(qmath.quantize_with_qparams(d, s, zero_point, args), s, zero_point)
+        self.num_quantized += len(names)
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"num_quantized_linears": self.num_quantized, "actorder": "static" if self.actorder else None}
@@ -143,12 +193,33 @@ class GPTQModifier(Modifier):
         return out
 
 
+def _dynamic_or_none(target: LinearTarget) -> bool:
+    """Activations the sequential pass can fake-quantize itself (static ones need a calibrated input_scale)."""
+    return target.input_activations is None or bool(target.input_activations.dynamic)
+
+
+def _same_hessian(ctx: LayerContext, names: list[str], hessians: dict[str, HessianAccumulator]) -> list[list[str]]:
+    """`names` grouped by equal H and equal weight scheme (linears that read the same input), in order."""
+    groups: list[list[str]] = []
+    for name in names:
+        for group in groups:
+            first = group[0]
+            if ctx.targets[first].weights == ctx.targets[name].weights and \
+                    torch.equal(hessians[first].hessian, hessians[name].hessian):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups
+
+
 def _qparams(args: QuantizationArgs, scale_dtype: torch.dtype):
     """Per-row (scale, zero) of a weight slice, rounded to the checkpoint's scale dtype as the writer will."""
 
     def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale, zero = qmath.compute_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args.num_bits, args.symmetric,
-                                            scale_dtype, qmath.zero_point_dtype(args))
+        low, high = qmath.weight_ranges(w[:, None, :], args, scale_dtype)  # the slice is one group per row
+        scale, zero = qmath.compute_qparams(low, high, args.num_bits, args.symmetric, scale_dtype,
+                                            qmath.zero_point_dtype(args))
         return scale.float(), zero.float()
 
     return qparams

@@ -35,6 +35,11 @@ class LayerContext:
     results: dict[str, QuantizedLinear] = dataclasses.field(default_factory=dict)
     extra_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     report: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # set by the pipeline when the recipe's only modifier may propagate the calibration inputs itself: a modifier
+    # that ran the whole layer with its quantized weights (GPTQ's sequential pass) leaves the outputs in
+    # `propagated` (batched as `inputs`), and the pipeline does not run the layer again
+    propagate_in_place: bool = False
+    propagated: list[torch.Tensor] | None = None
 
     def module(self, name: str) -> nn.Module:
         return self.layer.get_submodule(name)

@@ -209,7 +209,8 @@ def convert_layer(job: LayerJob, state: StreamState, index: int) -> None:
     ctx = LayerContext(index, prefix, arch, layer, state.inputs, {}, job.scale_dtype, job.source_block_size,
                        job.source_float_min)
     for block in _blocks(job):
-        ctx.block, ctx.inputs = block, state.inputs
+        ctx.block, ctx.inputs, ctx.propagated = block, state.inputs, None
+        ctx.propagate_in_place = block is None and len(job.recipe.modifiers) == 1
         ctx.targets = {n: t for n, t in targets.items() if block is None or block.contains(n)}
         for modifier in job.recipe.modifiers:
             modifier.process_layer(ctx)
@@ -217,10 +218,13 @@ def convert_layer(job: LayerJob, state: StreamState, index: int) -> None:
         if missing:
             raise AscqError(f"layer {index}: no modifier in the recipe quantized {prefix}{missing[0]}")
         _round_as_written(layer, block, job.dtype)
-        install_quantized(layer, {n: (targets[n], ctx.results[n]) for n in ctx.targets})
+        install_quantized(layer, {n: (targets[n], ctx.results[n]) for n in ctx.targets}, integer_gemm=True)
         k_scale, v_scale = ctx.extra_tensors.get("self_attn.k_scale"), ctx.extra_tensors.get("self_attn.v_scale")
         kv_hook = fp8_kv_hook(k_scale, v_scale) if k_scale is not None else None
-        state.inputs = _forward_all(arch, layer, state.inputs, kv_hook, block)
+        if ctx.propagated is not None and kv_hook is None:
+            state.inputs = ctx.propagated
+        else:
+            state.inputs = _forward_all(arch, layer, state.inputs, kv_hook, block)
         state.eval_q = _forward_all(arch, layer, state.eval_q, kv_hook, block)
     _write_layer(job.writer, prefix, layer, targets, ctx, job.dtype)
     state.num_quantized += len(targets)

@@ -172,12 +172,41 @@ def from_groups(grouped: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return grouped.reshape(shape)
 
 
+MINMAX_OBSERVERS = (None, "minmax", "memoryless_minmax", "static_minmax")  # the same ranges for a weight
+WEIGHT_OBSERVERS = (*MINMAX_OBSERVERS[1:], "mse")
+MSE_DEFAULTS = {"maxshrink": 0.2, "grid": 100.0, "norm": 2.4}  # llm-compressor's MovingAverageMSEObserver defaults
+
+
+def weight_ranges(grouped: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) per group of `grouped` [..., group_len] as the weight observer says: the extremes (minmax), or
+    for `observer: mse` the extremes shrunk by the factor 1 - i/grid, i = 0 .. maxshrink·grid, whose quantization
+    error Σ|q - w|^norm is smallest per group (llm-compressor's MSE observer and its defaults, `observer_kwargs`
+    maxshrink / grid / norm; every step is tried, without its early stop)."""
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    if args.observer in MINMAX_OBSERVERS:
+        return low, high
+    options = {**MSE_DEFAULTS, **(args.observer_kwargs or {})}
+    best_err = torch.full_like(low, float("inf"))
+    best_low, best_high = low.clone(), high.clone()
+    for step in range(int(options["maxshrink"] * options["grid"]) + 1):
+        shrink = 1 - step / options["grid"]
+        scale, zero = compute_qparams(low * shrink, high * shrink, args.num_bits, args.symmetric, scale_dtype,
+                                      zero_point_dtype(args))
+        zero = None if args.symmetric else zero[..., None]
+        q = dequantize(quantize(grouped, scale[..., None], zero, args.num_bits), scale[..., None], zero)
+        err = (q - grouped).abs().pow(options["norm"]).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_low, best_high = torch.where(better, low * shrink, best_low), torch.where(better, high * shrink, best_high)
+    return best_low, best_high
+
+
 def weight_qparams(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min-max (scale, zero_point) of a weight: shape [1], [out, 1] or [out, in // group_size]."""
+    """(scale, zero_point) of a weight from its observer's ranges (`weight_ranges`): shape [1], [out, 1] or
+    [out, in // group_size]."""
     grouped = to_groups(w.float(), str(args.strategy), args.group_size)
-    scale, zero_point = compute_qparams(
-        grouped.amin(-1), grouped.amax(-1), args.num_bits, args.symmetric, scale_dtype, zero_point_dtype(args)
-    )
+    scale, zero_point = compute_qparams(*weight_ranges(grouped, args, scale_dtype), args.num_bits, args.symmetric,
+                                        scale_dtype, zero_point_dtype(args))
     if args.strategy == "tensor":
         return scale.reshape(1), zero_point.reshape(1)
     return scale, zero_point

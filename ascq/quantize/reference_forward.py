@@ -8,6 +8,8 @@ with `k_scale`/`v_scale`. Everything in fp32, one decoder layer in memory at a t
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from ascq.errors import AscqError
 from ascq.formats import QuantizedLinear
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.safetensors import CheckpointReader
+from ascq.kernels import cpu
 from ascq.quantize import qmath
 from ascq.quantize.architectures import KVHook, architecture_from_config
 from ascq.quantize.schemes import LinearTarget, RecipeScheme, resolve_target
@@ -51,17 +54,72 @@ def _same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def install_quantized(
-    layer: nn.Module, quantized: dict[str, tuple[LinearTarget, QuantizedLinear]]
+    layer: nn.Module, quantized: dict[str, tuple[LinearTarget, QuantizedLinear]], integer_gemm: bool = False
 ) -> list[RemovableHandle]:
-    """Replace each linear's weight by its dequantized value and fake-quantize its input; returns the hook handles."""
+    """Replace each linear's weight by its dequantized value and fake-quantize its input; returns the hook handles.
+    `integer_gemm` (the converter's propagation): where `integer_gemm_applies`, the linear multiplies the integer
+    codes instead (`integer_forward`); the reference forward keeps the fake-quantized fp32 product, which the served
+    reference backend reproduces bit for bit."""
     handles, shared = [], {}
     for name, (target, ql) in quantized.items():
         linear = layer.get_submodule(name)
         weight = qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, target.weights)
         linear.weight.data = weight.to(linear.weight.device, linear.weight.dtype)
-        if target.input_activations is not None:
+        if integer_gemm and integer_gemm_applies(target, linear):
+            linear.forward = functools.partial(integer_forward, IntegerWeights.of(target, ql, linear), shared)
+        elif target.input_activations is not None:
             handles.append(linear.register_forward_pre_hook(activation_pre_hook(target.input_activations, ql.input_scale, shared)))
     return handles
+
+
+def integer_gemm_applies(target: LinearTarget, linear: nn.Linear) -> bool:
+    """Symmetric integer weights with one scale per output row and symmetric integer activations (W8A8, W4A8): the
+    product of the codes is exact in int32, so it runs as torch's int8 GEMM where that is fast (`cpu.INT8_GEMM_FAST`)
+    instead of an fp32 GEMM of the fake-quantized values; the two agree up to fp32 rounding."""
+    w, a = target.weights, target.input_activations
+    return (cpu.INT8_GEMM_FAST and linear.weight.device.type == "cpu" and a is not None
+            and w.type == "int" and a.type == "int" and w.symmetric and a.symmetric and w.num_bits <= 8
+            and a.num_bits <= 8 and str(w.strategy) in ("channel", "tensor") and str(a.strategy) in ("token", "tensor"))
+
+
+@dataclasses.dataclass
+class IntegerWeights:
+    codes: torch.Tensor  # int8 [in, out]
+    scale: torch.Tensor  # fp32 [out] (or [1])
+    bias: torch.Tensor | None
+    activations: QuantizationArgs
+    input_scale: torch.Tensor | None  # static per-tensor activations
+
+    @classmethod
+    def of(cls, target: LinearTarget, ql: QuantizedLinear, linear: nn.Linear) -> IntegerWeights:
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        input_scale = None if ql.input_scale is None else ql.input_scale.float().reshape(())
+        return cls(ql.q.t().contiguous(), ql.scale.float().reshape(-1), bias, target.input_activations, input_scale)
+
+
+def integer_codes(x: torch.Tensor, weights: IntegerWeights, shared: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [tokens, in], fp32 scale [tokens, 1] or []) of a linear's input, as served; linears reading the
+    same tensor with the same quantizer (q/k/v, gate/up) reuse it through `shared`."""
+    key = (weights.activations, None if weights.input_scale is None else weights.input_scale.item())
+    if shared.get("integer_input") is x and shared["integer_version"] == x._version and shared["integer_key"] == key:
+        return shared["integer_codes"]
+    rows = x.reshape(-1, x.shape[-1])
+    num_bits = weights.activations.num_bits
+    if weights.activations.dynamic:
+        q, scale = qmath.quantize_per_token(rows, num_bits)
+    else:
+        q, scale = qmath.quantize_static_input(rows, weights.input_scale, None, num_bits), weights.input_scale
+    codes = (q.to(torch.int8), scale)
+    shared.update(integer_input=x, integer_version=x._version, integer_key=key, integer_codes=codes)
+    return codes
+
+
+def integer_forward(weights: IntegerWeights, shared: dict, x: torch.Tensor) -> torch.Tensor:
+    q, scale = integer_codes(x, weights, shared)
+    y = torch._int_mm(q, weights.codes).float().mul_(scale).mul_(weights.scale)
+    if weights.bias is not None:
+        y += weights.bias
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
 def fp8_kv_hook(k_scale: torch.Tensor, v_scale: torch.Tensor) -> KVHook:

@@ -19,6 +19,7 @@ from torch import nn
 
 from ascq.errors import AscqError, UnsupportedError
 from ascq.formats import compressed_tensors as ct
+from ascq.quantize import qmath
 from ascq.quantize.qmath import block_aligned_group_size, float_zero_point
 from ascq.zoo.manifest import group_size_fit_text
 
@@ -78,6 +79,13 @@ def _check_supported(owner: str, group: str, scheme: QuantizationScheme) -> None
         raise UnsupportedError(f"{owner}: {group}: weights must be int4 or int8 with strategy channel, group or tensor")
     if w.dynamic:
         raise UnsupportedError(f"{owner}: {group}: dynamic weight quantization is not supported")
+    if w.observer not in qmath.MINMAX_OBSERVERS and w.observer != "mse":
+        raise UnsupportedError(f"{owner}: {group}: weight observer {w.observer!r} is not supported; use one of "
+                               f"{', '.join(qmath.WEIGHT_OBSERVERS)}")
+    unknown = set(w.observer_kwargs or {}) - set(qmath.MSE_DEFAULTS) if w.observer == "mse" else set(w.observer_kwargs or {})
+    if unknown:
+        raise UnsupportedError(f"{owner}: {group}: observer_kwargs {sorted(unknown)[0]!r} is not supported for "
+                               f"observer {w.observer!r}")
     if "zp_dtype" in w.model_fields_set:
         _check_zp_dtype(owner, group, scheme)
     if a is None:

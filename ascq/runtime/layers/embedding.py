@@ -59,7 +59,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = native.weight_only_mm(None, hidden, self.int8)
             return all_gather_last_dim(logits) if self.tp_size > 1 else logits
         on_cpu = self.weight.device.type == "cpu"
-        native_max_m = cpu.AMX_LM_HEAD_MIN_M if cpu.BF16_GEMM_FAST else cpu.LM_HEAD_BF16_MAX_M
+        native_max_m = cpu.BF16_GEMM_LM_HEAD_MIN_M if cpu.BF16_GEMM_FAST else cpu.LM_HEAD_BF16_MAX_M
         logits = cpu.bf16_small_m_linear(hidden, self.weight, native_max_m) if on_cpu else None
         if logits is None and on_cpu and self.weight.dtype == torch.bfloat16 and not cpu.BF16_GEMM_FAST:
             # AVX2 has no bf16 GEMM: fp32
