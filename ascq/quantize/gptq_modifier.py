@@ -22,7 +22,7 @@ from ascq.quantize.gptq import CholeskyError, GPTQConfig, GramCache, HessianAccu
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
 from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, CoverageLog, dense_mlp_inputs
-from ascq.quantize.reference_forward import activation_pre_hook
+from ascq.quantize.reference_forward import activation_pre_hook, set_dequantized_weight
 from ascq.quantize.schemes import LinearTarget, RecipeError, RecipeScheme, parse_recipe_scheme
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,8 @@ class GPTQModifier(Modifier):
                 names = [n for n in group.balance_layers if n in siblings]
                 siblings.update({n: names for n in names})
 
+        shared: dict = {}  # linears reading one input fake-quantize it once (`activation_pre_hook`)
+
         def pre_hook(name: str):
             def hook(module: torch.nn.Module, args: tuple) -> tuple | None:
                 if name not in ctx.results:
@@ -132,10 +134,9 @@ class GPTQModifier(Modifier):
                     names = [n for n in siblings[name] if n not in ctx.results]
                     self._quantize_group(ctx, names, hessian.hessian)
                     for n in names:
-                        ql, weights = ctx.results[n], ctx.targets[n].weights
-                        ctx.module(n).weight.data = qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, weights).to(module.weight.dtype)
+                        set_dequantized_weight(ctx.module(n), ctx.targets[n], ctx.results[n])
                 activations = ctx.targets[name].input_activations
-                return None if activations is None else activation_pre_hook(activations, None)(module, args)
+                return None if activations is None else activation_pre_hook(activations, None, shared)(module, args)
 
             return hook
 

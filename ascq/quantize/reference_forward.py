@@ -35,22 +35,17 @@ def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None
 
     def hook(module: nn.Module, inputs: tuple) -> tuple:
         x = inputs[0]
-        if shared is not None and shared.get("input") is x and shared["version"] == x._version and shared["args"] == args \
-                and _same_scale(shared["scale"], input_scale):
-            return (shared["output"], *inputs[1:])
-        if args.dynamic:
-            out = qmath.per_token_fake_quantize(x, args.num_bits)
-        else:
-            out = qmath.static_fake_quantize(x, input_scale.to(x.device), args.num_bits)
-        if shared is not None:
-            shared.update(input=x, version=x._version, args=args, scale=input_scale, output=out)
+
+        def fake_quantize() -> torch.Tensor:
+            if args.dynamic:
+                return qmath.per_token_fake_quantize(x, args.num_bits)
+            return qmath.static_fake_quantize(x, input_scale.to(x.device), args.num_bits)
+
+        key = ("fake", args, None if input_scale is None else tuple(input_scale.reshape(-1).tolist()))
+        out = fake_quantize() if shared is None else _shared(shared, x, key, fake_quantize)
         return (out, *inputs[1:])
 
     return hook
-
-
-def _same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def install_quantized(
@@ -63,13 +58,28 @@ def install_quantized(
     handles, shared = [], {}
     for name, (target, ql) in quantized.items():
         linear = layer.get_submodule(name)
-        weight = qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, target.weights)
-        linear.weight.data = weight.to(linear.weight.device, linear.weight.dtype)
+        set_dequantized_weight(linear, target, ql)
         if integer_gemm and integer_gemm_applies(target, linear):
             linear.forward = functools.partial(integer_forward, IntegerWeights.of(target, ql, linear), shared)
         elif target.input_activations is not None:
             handles.append(linear.register_forward_pre_hook(activation_pre_hook(target.input_activations, ql.input_scale, shared)))
     return handles
+
+
+def set_dequantized_weight(linear: nn.Linear, target: LinearTarget, ql: QuantizedLinear) -> None:
+    """The linear's weight replaced by the dequantized value of what will be written."""
+    weight = qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, target.weights)
+    linear.weight.data = weight.to(linear.weight.device, linear.weight.dtype)
+
+
+def _shared(shared: dict, x: torch.Tensor, key: object, compute) -> object:
+    """`compute()` of the input `x`, reused while linears read the same, unchanged tensor with the same quantizer
+    (`key`): q/k/v and gate/up quantize their input once. `shared` holds the last one (one dict per layer)."""
+    if shared.get("input") is x and shared["version"] == x._version and shared["key"] == key:
+        return shared["output"]
+    output = compute()
+    shared.update(input=x, version=x._version, key=key, output=output)
+    return output
 
 
 def integer_gemm_applies(target: LinearTarget, linear: nn.Linear) -> bool:
@@ -100,18 +110,18 @@ class IntegerWeights:
 def integer_codes(x: torch.Tensor, weights: IntegerWeights, shared: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes [tokens, in], fp32 scale [tokens, 1] or []) of a linear's input, as served; linears reading the
     same tensor with the same quantizer (q/k/v, gate/up) reuse it through `shared`."""
-    key = (weights.activations, None if weights.input_scale is None else weights.input_scale.item())
-    if shared.get("integer_input") is x and shared["integer_version"] == x._version and shared["integer_key"] == key:
-        return shared["integer_codes"]
-    rows = x.reshape(-1, x.shape[-1])
-    num_bits = weights.activations.num_bits
-    if weights.activations.dynamic:
-        q, scale = qmath.quantize_per_token(rows, num_bits)
-    else:
-        q, scale = qmath.quantize_static_input(rows, weights.input_scale, None, num_bits), weights.input_scale
-    codes = (q.to(torch.int8), scale)
-    shared.update(integer_input=x, integer_version=x._version, integer_key=key, integer_codes=codes)
-    return codes
+
+    def codes() -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.reshape(-1, x.shape[-1])
+        num_bits = weights.activations.num_bits
+        if weights.activations.dynamic:
+            q, scale = qmath.quantize_per_token(rows, num_bits)
+        else:
+            q, scale = qmath.quantize_static_input(rows, weights.input_scale, None, num_bits), weights.input_scale
+        return q.to(torch.int8), scale
+
+    key = ("integer", weights.activations, None if weights.input_scale is None else weights.input_scale.item())
+    return _shared(shared, x, key, codes)
 
 
 def integer_forward(weights: IntegerWeights, shared: dict, x: torch.Tensor) -> torch.Tensor:

@@ -79,10 +79,11 @@ def _check_supported(owner: str, group: str, scheme: QuantizationScheme) -> None
         raise UnsupportedError(f"{owner}: {group}: weights must be int4 or int8 with strategy channel, group or tensor")
     if w.dynamic:
         raise UnsupportedError(f"{owner}: {group}: dynamic weight quantization is not supported")
-    if w.observer not in qmath.MINMAX_OBSERVERS and w.observer != "mse":
+    if w.observer is not None and w.observer not in qmath.WEIGHT_OBSERVERS:
         raise UnsupportedError(f"{owner}: {group}: weight observer {w.observer!r} is not supported; use one of "
                                f"{', '.join(qmath.WEIGHT_OBSERVERS)}")
-    unknown = set(w.observer_kwargs or {}) - set(qmath.MSE_DEFAULTS) if w.observer == "mse" else set(w.observer_kwargs or {})
+    options = set(qmath.MSE_DEFAULTS) if w.observer == "mse" else set()  # the min-max observers take none
+    unknown = set(w.observer_kwargs or {}) - options
     if unknown:
         raise UnsupportedError(f"{owner}: {group}: observer_kwargs {sorted(unknown)[0]!r} is not supported for "
                                f"observer {w.observer!r}")
