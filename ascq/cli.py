@@ -14,6 +14,7 @@ except ImportError:  # pragma: no cover - older typer depends on click
     from click import exceptions as click_exceptions
 
 from ascq.errors import AscqError
+from ascq.paths import DEFAULT_MAX_EVAL_TOKENS
 
 app = typer.Typer(
     name="ascq",
@@ -165,7 +166,7 @@ def convert(
     device: Annotated[str, typer.Option(help="Calibration compute device: cpu, cuda or npu.")] = "cpu",
     format: Annotated[str, typer.Option(help="compressed-tensors, or msmodelslim (vllm-ascend).")] = "compressed-tensors",
     eval_text: Annotated[Path | None, typer.Option(help="Text for perplexity before/after (default: the fixture eval text for ascq fixtures).")] = None,
-    max_eval_tokens: Annotated[int, typer.Option(help="Perplexity before/after on this many eval tokens (0: the whole text).")] = 8192,
+    max_eval_tokens: Annotated[int, typer.Option(help="Perplexity before/after on this many eval tokens (0: the whole text).")] = DEFAULT_MAX_EVAL_TOKENS,
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Measure perplexity before/after (two more forwards of every layer).")] = True,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 1GB, 500MB (held in memory until written).")] = "1GB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing entry at --out (atomically; never the source).")] = False,

@@ -90,6 +90,10 @@ def test_no_eval_skips_the_perplexity_and_rejects_an_eval_text(tiny_llama_dir, t
         main(["convert", str(tiny_llama_dir), "--recipe", "w8a16", "--out", str(tmp_path / "a"), "--no-eval",
               "--eval-text", str(tiny_llama_dir / "config.json"), *fast])
     assert exc.value.code == 1 and "contradict" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", str(tiny_llama_dir), "--recipe", "w8a16", "--out", str(tmp_path / "a"), "--no-eval",
+              "--max-eval-tokens", "512", *fast])
+    assert exc.value.code == 1 and "contradict" in capsys.readouterr().err and not (tmp_path / "a").exists()
     for flag, has_perplexity in (("--no-eval", False), ("--eval", True)):
         entry = tmp_path / flag
         main(["convert", str(tiny_llama_dir), "--recipe", "w8a16", "--out", str(entry), flag, *fast])

@@ -15,7 +15,7 @@ import torch
 
 from ascq.errors import AscqError, UnsupportedError
 from ascq.formats.safetensors import CheckpointReader
-from ascq.paths import EVAL_TEXT, portable_name, zoo_root
+from ascq.paths import DEFAULT_MAX_EVAL_TOKENS, EVAL_TEXT, portable_name, zoo_root
 from ascq.quantize.architectures import load_architecture
 from ascq.quantize.calibration import CalibrationSet, hub_reachable, load_calibration
 from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
@@ -52,7 +52,7 @@ class ConvertOptions:
     device: str = "cpu"
     format: str = "compressed-tensors"
     eval_text: Path | None = None
-    max_eval_tokens: int | None = 8192  # perplexity before/after on the eval text's first N tokens (None: all of it)
+    max_eval_tokens: int | None = DEFAULT_MAX_EVAL_TOKENS  # perplexity before/after on the eval text's first N tokens (None: all of it)
     evaluate: bool = True  # False: no perplexity before/after (two forwards of every layer over the eval tokens)
     max_shard_bytes: int = 1 << 30  # pending output is held in memory up to this size
     progress: bool = True
@@ -71,8 +71,8 @@ class ConvertOptions:
             raise AscqError(f"--max-eval-tokens must be >= {EVAL_SEQ_LEN} (one eval window), or 0 for the whole text")
         if self.max_shard_bytes < 1:
             raise AscqError("--max-shard-size must be positive")
-        if not self.evaluate and self.eval_text is not None:
-            raise AscqError("--eval-text and --no-eval contradict each other: give one")
+        if not self.evaluate and (self.eval_text is not None or self.max_eval_tokens != DEFAULT_MAX_EVAL_TOKENS):
+            raise AscqError("--eval-text / --max-eval-tokens and --no-eval contradict each other: give one")
 
 
 def resolve_model_dir(model: str) -> Path:
