@@ -136,6 +136,10 @@ def zoo_import_gguf(
     typer.echo(f"wrote {import_gguf(file, package=package, name=name, dtype=dtype, zoo=zoo, overwrite=overwrite)}")
 
 
+ENFORCE_EAGER_HELP = ("Run every step eagerly (the CPU default, by measurement); --no-enforce-eager builds decode "
+                      "graphs at startup (torch.compile on the CPU backend, CUDA / NPU graphs on cuda / npu).")
+
+
 @app.command("publish")
 def publish(
     entry: Annotated[str, typer.Argument(help="Entry name or path.")],
@@ -243,9 +247,7 @@ def generate(
     max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 64,
     gpu_memory_utilization: Annotated[float | None, typer.Option(
         help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM.")] = None,
-    enforce_eager: Annotated[bool, typer.Option(
-        help="Run every step eagerly (the CPU default, by measurement); --no-enforce-eager compiles decode graphs "
-             "at startup (CPU backend).")] = True,
+    enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = True,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
     quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
     tensor_parallel_size: TensorParallelSize = 1,
@@ -310,9 +312,7 @@ def serve(
         help="Scheduler preset for knobs left at their defaults: latency or throughput (README).")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(
         help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM.")] = None,
-    enforce_eager: Annotated[bool, typer.Option(
-        help="Run every step eagerly (the CPU default, by measurement); --no-enforce-eager compiles decode graphs "
-             "at startup (CPU backend).")] = True,
+    enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = True,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
     quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
     enable_auto_tool_choice: Annotated[bool, typer.Option(
@@ -460,7 +460,7 @@ MaxNumSeqs = Annotated[int | None, typer.Option(help="Most requests in one batch
 MaxBatched = Annotated[int | None, typer.Option(help="Token budget of one step (default: engine's).")]
 KvMemory = Annotated[int | None, typer.Option(help="KV-cache bytes.")]
 EnforceEager = Annotated[bool | None, typer.Option("--enforce-eager/--no-enforce-eager",
-                                                   help="Run eagerly; --no-enforce-eager: decode graphs (CPU).")]
+                                                   help="Run eagerly; --no-enforce-eager: decode graphs.")]
 PerfMode = Annotated[str | None, typer.Option(help="latency or throughput scheduler preset.")]
 
 

@@ -1,7 +1,8 @@
 """Run the kernel tests' comparisons on a CUDA GPU: the `cuda` backend (tensors on the GPU) against the `reference`
 backend (on the CPU) for every linear case x dtype x M, paged attention (block 16 / 128, fp8 cache, mixed batch),
-fp8 cache writes and MoE; then times a 4096 x 4096 linear per scheme against dense bf16. Prints tables; exits 1 if
-any comparison fails. Needs no GPU-specific test setup; well under 2 minutes.
+fp8 cache writes and MoE; CUDA graphs (`enforce_eager=False`) against eager greedy tokens on tiny-llama; then times a
+4096 x 4096 linear per scheme against dense bf16. Prints tables; exits 1 if any comparison fails. Needs no
+GPU-specific test setup; well under 2 minutes.
 
     python benchmarks/cuda_check.py
 """
@@ -134,6 +135,38 @@ def check_moe(ref, cuda) -> None:
             check(f"moe {scheme} {dtype}", rel_error(y, expected), tolerance[dtype])
 
 
+def check_decode_graphs(ref, cuda) -> None:
+    """runtime/device_graphs.py's CUDA graphs vs eager: tiny-llama's greedy tokens over decode batches 6..1 (capture
+    sizes 1, 2, 4, 6: batches 3 and 5 replay padded). The test suite runs this code only on the NPU emulator."""
+    if DEVICE.type != "cuda":
+        print("| decode graphs vs eager | skipped: needs a CUDA device | - | - |")
+        return
+    from test_device_graphs import PROMPTS, greedy_tokens
+
+    from ascq import LLM
+    from ascq.paths import PROJECT_DIR
+
+    def engine(enforce_eager: bool) -> LLM:
+        return LLM(str(PROJECT_DIR / "zoo" / "tiny-llama"), device=str(DEVICE), dtype="bfloat16",
+                   max_num_seqs=len(PROMPTS), kv_cache_memory=64 << 20, enforce_eager=enforce_eager)
+
+    llm = engine(enforce_eager=False)
+    graphs = llm.engine.runner.device_graphs
+    assert graphs is not None, "enforce_eager=False captured no CUDA graphs"
+    run, replayed = graphs.run, []
+
+    def counted(input_ids: torch.Tensor, *args) -> torch.Tensor | None:
+        hidden = run(input_ids, *args)
+        replayed.append(hidden is not None)
+        return hidden
+
+    graphs.run = counted
+    tokens = {False: greedy_tokens(llm), True: greedy_tokens(engine(enforce_eager=True))}
+    assert any(replayed), "no decode step replayed the CUDA graphs"
+    differing = sum(a != b for a, b in zip(tokens[False], tokens[True], strict=True))
+    check(f"decode graphs vs eager: greedy sequences differing (of {len(PROMPTS)})", differing, 0.5)
+
+
 def time_linears(cuda) -> None:
     size = 4096
     print("\n| scheme | kernel | M=1 ms | M=32 ms | M=512 ms | dense bf16 M=1 / scheme M=1 |")
@@ -174,7 +207,7 @@ def main() -> None:
     print("| check | rel. error | tolerance | status |")
     print("|---|---|---|---|")
     ref, cuda = get_backend("reference"), get_backend("cuda")
-    for step in (check_linears, check_attention, check_fp8_write, check_moe):
+    for step in (check_linears, check_attention, check_fp8_write, check_moe, check_decode_graphs):
         try:
             step(ref, cuda)
         except Exception as exc:  # report and keep going: the table is the deliverable

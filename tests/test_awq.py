@@ -274,3 +274,48 @@ def test_search_loss_is_block_or_linear():
     assert AWQModifier.from_args({**base, "search_loss": "linear"}).linear_loss
     with pytest.raises(RecipeError, match="search_loss must be one of block, linear"):
         AWQModifier.from_args({**base, "search_loss": "output"})
+
+
+def test_shortlist_runs_the_block_on_the_best_grid_points_by_the_linear_loss():
+    """shortlist k: the Gram loss (no forward) ranks the grid, the block loss judges only its k best; the block
+    runs k + 1 times (the reference once) and the pick is the block-loss best of those k."""
+    torch.manual_seed(0)
+    x = outlier_inputs()
+    q, k = nn.Linear(64, 48, bias=False), nn.Linear(64, 16, bias=False)
+    before = [q.weight.clone(), k.weight.clone()]
+    num_calls = 0
+
+    def block() -> torch.Tensor:  # not the linears' own outputs: a nonlinearity between, as attention has
+        nonlocal num_calls
+        num_calls += 1
+        return torch.tanh(torch.cat([q(x), k(x)], dim=-1) / 4)
+
+    gram = x.t() @ x / x.shape[0]
+    x_mean = activation_mean(x)
+    _, _, linear_losses = search_scales(x_mean, [q, k], None, ct_fake_quantize, AWQSearchConfig(group_size=32), gram=gram)
+    _, _, block_losses = search_scales(x_mean, [q, k], block, ct_fake_quantize, AWQSearchConfig(group_size=32))
+    num_calls = 0
+    scales, alpha, losses = search_scales(x_mean, [q, k], block, ct_fake_quantize,
+                                          AWQSearchConfig(group_size=32, shortlist=3), gram=gram)
+    assert num_calls == 4
+    shortlisted = sorted(sorted(range(20), key=linear_losses.__getitem__)[:3])
+    assert losses == pytest.approx([block_losses[i] for i in shortlisted], rel=1e-5)
+    best = min(shortlisted, key=block_losses.__getitem__)
+    assert alpha == pytest.approx(best / 20)
+    torch.testing.assert_close(scales, duo_scales(x_mean, weight_mean(before, 32), best / 20))
+    torch.testing.assert_close(q.weight, before[0])
+    num_calls = 0  # shortlist 0 (the default): every grid point runs the block, as without a Gram matrix
+    _, _, all_losses = search_scales(x_mean, [q, k], block, ct_fake_quantize, AWQSearchConfig(group_size=32), gram=gram)
+    assert num_calls == 21 and all_losses == pytest.approx(block_losses, rel=1e-6)
+
+
+def test_shortlist_recipe_key():
+    from ascq.quantize.awq_modifier import AWQModifier
+    from ascq.quantize.schemes import RecipeError
+
+    base = {"scheme": "W4A16_ASYM", "targets": ["Linear"]}
+    assert AWQModifier.from_args({**base, "shortlist": 4}).search.shortlist == 4
+    with pytest.raises(RecipeError, match="shortlist must be >= 0"):
+        AWQModifier.from_args({**base, "shortlist": -1})
+    with pytest.raises(RecipeError, match="search_loss linear has none"):
+        AWQModifier.from_args({**base, "search_loss": "linear", "shortlist": 4})

@@ -271,7 +271,7 @@ def test_gptq_of_stacked_linears_equals_each_linears_own():
     config = GPTQConfig(group_size=32, actorder=True)
 
     def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return qmath.compute_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), 4, False, torch.float32, None)
+        return qmath.compute_qparams(w.amin(-1), w.amax(-1), 4, False, torch.float32, None)
 
     stacked = gptq_quantize(torch.cat(weights), hessian, qparams, (0, 15), config)
     alone = [gptq_quantize(w, hessian, qparams, (0, 15), config) for w in weights]

@@ -15,8 +15,8 @@ SYM = QuantizationArgs(num_bits=4, type="int", strategy="channel", symmetric=Tru
 
 
 def qparams_for(args: QuantizationArgs):
-    def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args)
+    def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, groups, len] -> [rows, groups]
+        scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
         return scale.float(), zero.float()
 
     return qparams
@@ -42,7 +42,7 @@ def textbook_gptq(w: torch.Tensor, h: torch.Tensor, group: int, args: Quantizati
     scale = zero = None
     for i in range(w.shape[1]):
         if i % group == 0:
-            scale, zero = (t.double() for t in qparams(w[:, i : i + group].float()))
+            scale, zero = (t.double() for t in qparams(w[:, i : i + group].float()[:, None, :]))
         q = quant_dequant(w[:, i : i + 1], scale, zero)[:, 0]
         err = (w[:, i] - q) / h_inv[i, i]
         w[:, i:] -= err[:, None] * h_inv[i, i:][None, :]
@@ -57,7 +57,7 @@ def output_error(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> float:
 def rtn(w: torch.Tensor, group: int, args: QuantizationArgs) -> torch.Tensor:
     qparams = qparams_for(args)
     chunks = [w[:, s : s + group] for s in range(0, w.shape[1], group)]
-    return torch.cat([quant_dequant(c, *qparams(c)) for c in chunks], dim=1)
+    return torch.cat([quant_dequant(c, *qparams(c[:, None, :])) for c in chunks], dim=1)
 
 
 def test_hessian_accumulator_matches_batch_formula():
@@ -119,7 +119,7 @@ def test_native_column_loop_matches_the_torch_loop(actorder, monkeypatch):
     config = GPTQConfig(group_size=64, block_size=96, actorder=actorder)  # groups straddle block edges
 
     def qparams(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return qmath.compute_qparams(t.amin(1, keepdim=True), t.amax(1, keepdim=True), 4, False, torch.float32, None)
+        return qmath.compute_qparams(t.amin(-1), t.amax(-1), 4, False, torch.float32, None)
 
     results = {}
     for use_native in (True, False):

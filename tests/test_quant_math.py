@@ -166,3 +166,29 @@ def test_mse_observer_shrinks_ranges_to_lower_the_weight_error_and_unknown_obser
     for bad in ({"observer": "histogram"}, {"observer": "mse", "observer_kwargs": {"patience": 3}}):
         with pytest.raises(UnsupportedError, match="observer"):
             parse_recipe_scheme("GPTQModifier", {"config_groups": {"g": {"targets": ["Linear"], "weights": {**weights, **bad}}}})
+
+
+def test_mse_observer_matches_a_per_group_loop_across_chunks(monkeypatch):
+    """The chunked in-place search picks, per group, the shrink a plain loop over groups and steps picks."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from ascq.quantize import qmath
+
+    monkeypatch.setattr(qmath, "MSE_CHUNK_ELEMENTS", 3 * 64 + 5)  # chunk edges inside the weight, a ragged last one
+    torch.manual_seed(1)
+    w = torch.randn(10, 4, 64) * torch.rand(10, 4, 1)
+    w[2, 1, 7] = 9.0
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, observer="mse")
+    low, high = qmath.weight_ranges(w, args, torch.float32)
+    for r in range(10):
+        for g in range(4):
+            x = w[r, g]
+            errors = []
+            for step in range(21):
+                shrink = 1 - step / 100
+                scale, zero = qmath.compute_qparams(x.min() * shrink, x.max() * shrink, 4, False)
+                q = qmath.fake_quantize(x, scale, zero, 4)
+                errors.append(((q - x).abs() ** 2.4).sum().item())
+            shrink = 1 - errors.index(min(errors)) / 100
+            assert high[r, g].item() == pytest.approx(x.max().item() * shrink, rel=1e-6)
+            assert low[r, g].item() == pytest.approx(x.min().item() * shrink, rel=1e-6)

@@ -100,7 +100,7 @@ def load() -> ctypes.CDLL | None:
     lib.ascq_fused_decode.argtypes += [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     lib.ascq_gptq_columns.restype = ctypes.c_int
     lib.ascq_gptq_columns.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
-    lib.ascq_gptq_columns.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_float] * 2
+    lib.ascq_gptq_columns.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_float] * 2 + [ctypes.c_int]
     return lib
 
 
@@ -223,14 +223,15 @@ def gptq_columns(w: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scales: to
                  group_of: torch.Tensor, first: int, last: int, float_zero_point: bool, q_range: tuple[int, int]) -> None:
     """GPTQ's column loop over rows [first, last) of one block (gptq_columns.c), in place on `w` [rows, out] and
     `err` [rows, out]; `u` [rows, rows] (a row-major view), `scales`/`zeros` fp32 [groups, out], `group_of` int32
-    [rows]."""
+    [rows]. torch's threads split the `out` columns (independent of each other: the same results)."""
     lib = load()
     assert w.dtype == err.dtype == u.dtype == scales.dtype == zeros.dtype == torch.float32
     assert w.is_contiguous() and err.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
     assert u.stride(1) == 1 and group_of.dtype == torch.int32 and group_of.is_contiguous()
     status = lib.ascq_gptq_columns(w.data_ptr(), w.shape[1], w.shape[0], first, last, u.data_ptr(), u.stride(0),
                                    err.data_ptr(), scales.data_ptr(), zeros.data_ptr(), group_of.data_ptr(),
-                                   int(float_zero_point), float(q_range[0]), float(q_range[1]))
+                                   int(float_zero_point), float(q_range[0]), float(q_range[1]),
+                                   torch.get_num_threads())
     if status != 0:
         raise ValueError(f"GPTQ column loop rejected rows {first}..{last} of a {tuple(w.shape)} block")
 

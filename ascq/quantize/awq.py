@@ -36,6 +36,9 @@ class AWQSearchConfig:
     # also score s = 1 (no smoothing; reported as α None): the modifier sets it where the weights already lie on
     # the quantization grid (a GGUF source kept by float zero points), which any other s moves them off
     identity_candidate: bool = False
+    # > 0: the block loss judges only this many grid points, those with the smallest loss of the linears' own
+    # outputs (the Gram loss, no forward); 0: every grid point runs the block
+    shortlist: int = 0
 
     def __post_init__(self) -> None:
         if self.num_grid < 1 or self.num_clip_steps < 1:
@@ -44,6 +47,8 @@ class AWQSearchConfig:
             raise ValueError("AWQ: max_shrink must be in [0, 1)")
         if self.group_size < 1 or self.max_clip_tokens < 1 or self.max_search_tokens < 1:
             raise ValueError("AWQ: group_size, max_clip_tokens and max_search_tokens must be >= 1")
+        if self.shortlist < 0:
+            raise ValueError("AWQ: shortlist must be >= 0")
 
 
 def activation_mean(x: torch.Tensor) -> torch.Tensor:
@@ -100,52 +105,75 @@ def search_scales(
     linear that stays full precision.
 
     `block_output()` runs the computation that contains the linears (e.g. the attention or MLP module) on the
-    calibration input with the linears' current weights. Returns (scales [in], best α, loss per α); the linears'
-    weights are restored before returning. `fake_quantize` may be one function or one per linear.
+    calibration input with the linears' current weights. Returns (scales [in], best α, loss per judged α); the
+    linears' weights are restored before returning. `fake_quantize` may be one function or one per linear.
 
-    `gram`: when the loss is the output of the linears themselves (the block is one linear, or the caller judges
-    a group by its linears' outputs), their shared input's xᵀx / n. The loss mean((x·Dᵀ)²) of a weight change D
-    (the linears' changes stacked as rows) is then Σ (D·G) ⊙ D / out, without running anything (out · in² instead
-    of n · out · in multiply-adds per grid point; equal up to float rounding). `rows_independent`: every quantizer treats each row
-    on its own, so the scaled weights of several grid points are stacked as rows and quantized in one call.
+    `gram`: their shared input's xᵀx / n, for the loss of the linears' own outputs: mean((x·Dᵀ)²) of a weight
+    change D (the linears' changes stacked as rows) is Σ (D·G) ⊙ D / out, without running anything (out · in² instead
+    of n · out · in multiply-adds per grid point; equal up to float rounding). With `gram` alone that loss judges
+    (exact when the block is one linear); with both, it only shortlists the `config.shortlist` best grid points for
+    the block loss (all of them when shortlist is 0). `rows_independent`: every quantizer treats each row on its own,
+    so the scaled weights of several grid points are stacked as rows and quantized in one call.
     """
+    if block_output is None and gram is None:
+        raise ValueError("AWQ: search_scales needs block_output or gram")
     quantizers = [fake_quantize] * len(linears) if callable(fake_quantize) else list(fake_quantize)
     w_mean = weight_mean([lin.weight for lin in linears], config.group_size) if config.duo_scaling else None
-    reference = block_output().float() if gram is None else None
-    originals = [lin.weight.data.clone() for lin in linears]
-    losses: list[float] = []
-    best = (float("inf"), 0.0, torch.ones_like(x_mean))
     candidates = [(None, torch.ones_like(x_mean))] if config.identity_candidate else []  # s = 1, reported as α None
     candidates += [(step / config.num_grid, duo_scales(x_mean, w_mean, step / config.num_grid)) for step in range(config.num_grid)]
     if exact:
         candidates = [(alpha, power_of_two(scales)) for alpha, scales in candidates]
-    largest = max(w.numel() for w in originals)
-    per_call = max(1, CLIP_STACK_ELEMENTS // largest) if rows_independent else 1
+    originals = [lin.weight.data.clone() for lin in linears]
+
+    def linear_loss() -> float:
+        change = torch.cat([lin.weight.float() - w.float() for lin, w in zip(linears, originals, strict=True)])
+        return ((change @ gram) * change).sum().item() / change.shape[0]
+
+    reference = block_output().float() if block_output is not None else None
     try:
-        for first in range(0, len(candidates), per_call):
-            chunk = candidates[first : first + per_call]
-            stacked = torch.stack([scales for _, scales in chunk])[:, None, :]  # [k, 1, in]
-            quantized = [
-                (quantize((w.float()[None] * stacked).view(-1, w.shape[1])).view(len(chunk), *w.shape) / stacked).to(w.dtype)
-                for w, quantize in zip(originals, quantizers, strict=True)
-            ]
-            for index, (alpha, scales) in enumerate(chunk):
-                for lin, q in zip(linears, quantized, strict=True):
-                    lin.weight.data = q[index]
-                if gram is None:
-                    loss = (block_output().float() - reference).pow(2).mean().item()
-                else:
-                    change = torch.cat([lin.weight.float() - w.float() for lin, w in zip(linears, originals, strict=True)])
-                    loss = ((change @ gram) * change).sum().item() / change.shape[0]
-                losses.append(loss)
-                if loss < best[0]:
-                    best = (loss, alpha, scales)
+        if gram is not None and (block_output is None or 0 < config.shortlist < len(candidates)):
+            losses = _candidate_losses(candidates, linears, originals, quantizers, linear_loss, rows_independent)
+            if block_output is not None:
+                best_first = sorted(range(len(candidates)), key=losses.__getitem__)
+                candidates = [candidates[i] for i in sorted(best_first[: config.shortlist])]
+        if block_output is not None:
+            losses = _candidate_losses(candidates, linears, originals, quantizers,
+                                       lambda: (block_output().float() - reference).pow(2).mean().item(),
+                                       rows_independent)
     finally:
         for lin, w in zip(linears, originals, strict=True):
             lin.weight.data = w
-    if not torch.isfinite(best[2]).all():
+    best = min(range(len(candidates)), key=losses.__getitem__)
+    alpha, scales = candidates[best]
+    if not torch.isfinite(scales).all():
         raise FloatingPointError("AWQ scale search produced non-finite scales")
-    return best[2], best[1], losses
+    return scales, alpha, losses
+
+
+def _candidate_losses(
+    candidates: list[tuple[float | None, torch.Tensor]],
+    linears: Sequence[nn.Linear],
+    originals: list[torch.Tensor],
+    quantizers: list[FakeQuantize],
+    loss: Callable[[], float],
+    rows_independent: bool,
+) -> list[float]:
+    """`loss()` with each candidate's fake-quantized weights Q(W·s)/s set on `linears` (left set on return)."""
+    largest = max(w.numel() for w in originals)
+    per_call = max(1, CLIP_STACK_ELEMENTS // largest) if rows_independent else 1
+    losses = []
+    for first in range(0, len(candidates), per_call):
+        chunk = candidates[first : first + per_call]
+        stacked = torch.stack([scales for _, scales in chunk])[:, None, :]  # [k, 1, in]
+        quantized = [
+            (quantize((w.float()[None] * stacked).view(-1, w.shape[1])).view(len(chunk), *w.shape) / stacked).to(w.dtype)
+            for w, quantize in zip(originals, quantizers, strict=True)
+        ]
+        for index in range(len(chunk)):
+            for lin, q in zip(linears, quantized, strict=True):
+                lin.weight.data = q[index]
+            losses.append(loss())
+    return losses
 
 
 @torch.no_grad()

@@ -19,7 +19,9 @@ the clip search runs on every quantized linear except q/k.
 
 Recipe (llm-compressor's shape): `AWQModifier: {scheme: W4A16_ASYM, ignore: [...], duo_scaling: true, n_grid: 20}`;
 ascq's own keys: `clip_search`, `max_shrink`, `clip_steps`, `min_expert_tokens`, `max_search_tokens`, `search_loss`
-(`block`: each group judged on its block's output as above; `linear`: on its linears' own outputs, see SEARCH_LOSSES).
+(`block`: each group judged on its block's output as above; `linear`: on its linears' own outputs, see SEARCH_LOSSES),
+`shortlist` (with the block loss: only the K grid points best by the linears' own outputs run the block; not for the
+MoE expert group, which is judged on every grid point).
 Without `scheme`/`config_groups` it only transforms the weights, and a later quantizing modifier (GPTQ, RTN) owns
 the targets; the search then fake-quantizes with that modifier's scheme.
 """
@@ -53,6 +55,7 @@ ARGS = {
     "min_expert_tokens": int,
     "max_search_tokens": int,
     "search_loss": str,
+    "shortlist": int,
     "zp_dtype": str,
 }
 # what a group's α is judged on: its block's output (AutoAWQ, llm-compressor), or its linears' own outputs (the AWQ
@@ -91,6 +94,7 @@ class AWQModifier(Modifier):
                 max_shrink=float(args.get("max_shrink", 0.5)),
                 num_clip_steps=args.get("clip_steps", 20),
                 max_search_tokens=args.get("max_search_tokens", 4096),
+                shortlist=args.get("shortlist", 0),
             )
         except ValueError as exc:
             raise RecipeError(f"{cls.name}: {exc}") from None
@@ -98,6 +102,8 @@ class AWQModifier(Modifier):
         loss = args.get("search_loss", "block")
         if loss not in SEARCH_LOSSES:
             raise RecipeError(f"{cls.name}: search_loss must be one of {', '.join(SEARCH_LOSSES)}, got {loss!r}")
+        if loss == "linear" and "shortlist" in args:
+            raise RecipeError(f"{cls.name}: shortlist shortens the block loss's grid; search_loss linear has none")
         return cls(scheme, search, args.get("clip_search", True), args.get("min_expert_tokens", DEFAULT_MIN_TOKENS),
                    loss == "linear")
 
@@ -168,18 +174,20 @@ class AWQModifier(Modifier):
         block_module = ctx.module(group.block)
         budget = self.search.max_search_tokens
         gram = None
-        if calls is not None and self.linear_loss and not group.exact_layers:  # judged on the linears' outputs
-            flat = _flat_cat(x)
-            gram = flat.t() @ flat / flat.shape[0]
-            block_output = None
-        elif calls is None:  # a single linear: its input rows are independent, sample them
+        block_output = None
+        if calls is None:  # a single linear: its input rows are independent, sample them
             xs = awq.sample_tokens(_flat_cat(x), budget)
-            block_output = lambda: block_module(xs)  # noqa: E731
             if modules == [block_module] and xs.shape[0] > xs.shape[1]:  # the loss follows from the weight change
                 gram = xs.t() @ xs / xs.shape[0]
-        else:  # whole calibration batches (attention needs whole sequences), at least one
-            num_calls = next((i + 1 for i in range(len(x)) if num_tokens(x[: i + 1]) >= budget), len(x))
-            block_output = lambda: replay(block_module, calls[:num_calls], x[:num_calls])  # noqa: E731
+            else:
+                block_output = lambda: block_module(xs)  # noqa: E731
+        else:  # a block runs on whole calibration batches (attention needs whole sequences), at least one
+            if not self.linear_loss or group.exact_layers:
+                num_calls = next((i + 1 for i in range(len(x)) if num_tokens(x[: i + 1]) >= budget), len(x))
+                block_output = lambda: replay(block_module, calls[:num_calls], x[:num_calls])  # noqa: E731
+            if (self.linear_loss or self.search.shortlist) and not group.exact_layers:  # the linears' outputs
+                flat = _flat_cat(x)
+                gram = flat.t() @ flat / flat.shape[0]
         scales, alpha, _ = awq.search_scales(
             awq.activation_mean(_flat_cat(x)),
             modules,

@@ -215,10 +215,11 @@ def _same_hessian(ctx: LayerContext, names: list[str], hessians: dict[str, Hessi
 
 
 def _qparams(args: QuantizationArgs, scale_dtype: torch.dtype):
-    """Per-row (scale, zero) of a weight slice, rounded to the checkpoint's scale dtype as the writer will."""
+    """(scale, zero) [rows, groups] of weight groups [rows, groups, group_len], rounded to the checkpoint's scale
+    dtype as the writer will."""
 
     def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        low, high = qmath.weight_ranges(w[:, None, :], args, scale_dtype)  # the slice is one group per row
+        low, high = qmath.weight_ranges(w, args, scale_dtype)
         scale, zero = qmath.compute_qparams(low, high, args.num_bits, args.symmetric, scale_dtype,
                                             qmath.zero_point_dtype(args))
         return scale.float(), zero.float()

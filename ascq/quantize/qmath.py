@@ -186,19 +186,42 @@ def weight_ranges(grouped: torch.Tensor, args: QuantizationArgs, scale_dtype: to
     if args.observer in MINMAX_OBSERVERS:
         return low, high
     options = {**MSE_DEFAULTS, **(args.observer_kwargs or {})}
-    best_err = torch.full_like(low, float("inf"))
-    best_low, best_high = low.clone(), high.clone()
-    for step in range(int(options["maxshrink"] * options["grid"]) + 1):
-        shrink = 1 - step / options["grid"]
-        scale, zero = compute_qparams(low * shrink, high * shrink, args.num_bits, args.symmetric, scale_dtype,
-                                      zero_point_dtype(args))
-        zero = None if args.symmetric else zero[..., None]
-        q = dequantize(quantize(grouped, scale[..., None], zero, args.num_bits), scale[..., None], zero)
-        err = (q - grouped).abs().pow(options["norm"]).sum(-1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_low, best_high = torch.where(better, low * shrink, best_low), torch.where(better, high * shrink, best_high)
-    return best_low, best_high
+    shrinks = [1 - step / options["grid"] for step in range(int(options["maxshrink"] * options["grid"]) + 1)]
+    flat = grouped.float().reshape(-1, grouped.shape[-1])
+    low, high = low.reshape(-1), high.reshape(-1)
+    best = torch.ones_like(low)  # the shrink factor per group
+    rows_per_chunk = max(1, MSE_CHUNK_ELEMENTS // flat.shape[1])  # every shrink step on a chunk while it is in cache
+    for first in range(0, flat.shape[0], rows_per_chunk):
+        chunk = slice(first, first + rows_per_chunk)
+        buffer = torch.empty_like(flat[chunk])
+        best_err = torch.full_like(low[chunk], float("inf"))
+        for shrink in shrinks:
+            scale, zero = compute_qparams(low[chunk] * shrink, high[chunk] * shrink, args.num_bits, args.symmetric,
+                                          scale_dtype, zero_point_dtype(args))
+            err = _fake_quantize_error(flat[chunk], scale[:, None], None if args.symmetric else zero[:, None],
+                                       args.num_bits, options["norm"], buffer)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best[chunk] = torch.where(better, shrink, best[chunk])
+    best = best.view(grouped.shape[:-1])
+    return low.view(best.shape) * best, high.view(best.shape) * best
+
+
+MSE_CHUNK_ELEMENTS = 1 << 17
+
+
+def _fake_quantize_error(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int,
+                         norm: float, buffer: torch.Tensor) -> torch.Tensor:
+    """Σ |dequantize(quantize(x)) - x|^norm over the last dim, the float operations of `quantize` / `dequantize`
+    in place in `buffer` (a chunk of weights passes through it once per shrink step)."""
+    qmin, qmax = int_range(num_bits)
+    torch.div(x, scale.float(), out=buffer)
+    if zero_point is not None:
+        buffer.add_(zero_point.float())
+    buffer.clamp_(qmin, qmax).round_()
+    if zero_point is not None:
+        buffer.sub_(zero_point.float())
+    return buffer.mul_(scale.float()).sub_(x).abs_().pow_(norm).sum(-1)
 
 
 def weight_qparams(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
 """Decode graphs (`enforce_eager=False`): each decoder layer's forward compiled with `torch.compile` (inductor) for
-pure decode steps, on the CPU backend.
+pure decode steps, on the CPU backends (`cpu`, `reference`); cuda and npu capture device graphs instead
+(`device_graphs.py`).
 
 Why per layer, not the whole forward: the 30 layers of a model share one code object, so dynamo compiles one graph
 (two: the first layer has no residual yet) and every layer reuses it with its own weights as inputs: startup pays
@@ -38,17 +39,17 @@ RECOMPILE_LIMIT = 64  # graphs per layer code object: (first layer or not) x (ba
 
 
 def unsupported_reason(model: nn.Module, device: torch.device) -> str | None:
-    """Why decode graphs cannot be used here, or None."""
+    """Why compiled decode graphs cannot be used here, or None (cuda / npu capture device graphs instead)."""
     if device.type not in GRAPH_DEVICE_TYPES:
-        return f"decode graphs are implemented for the CPU backend only, not {device.type} (CUDA / NPU graphs: not done)"
+        return f"torch.compile decode graphs are for the CPU backends, not {device.type} (see runtime/device_graphs.py)"
     if not any(isinstance(m, DecoderLayer) for m in model.modules()):
         return f"{type(model).__name__} has no decoder layers to compile"
     return None
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, ... up to min(max_num_seqs, MAX_GRAPH_BATCH) (and that size itself)."""
-    largest = min(max_num_seqs, MAX_GRAPH_BATCH)
+def capture_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
+    """1, 2, 4, ... up to min(max_num_seqs, limit) (and that size itself)."""
+    largest = min(max_num_seqs, limit)
     sizes, size = [], 1
     while size < largest:
         sizes.append(size)

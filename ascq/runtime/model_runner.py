@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from ascq.errors import UnsupportedError
-from ascq.runtime import fused_decode
-from ascq.runtime.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, unsupported_reason
+from ascq.runtime import decode_graphs, device_graphs, fused_decode
+from ascq.runtime.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs
+from ascq.runtime.device_graphs import DeviceGraphs
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.layers.embedding import LM_HEAD_QUANT_ENV, ParallelLMHead
 from ascq.runtime.request import Request
@@ -27,15 +28,11 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.decode_graphs: DecodeGraphs | None = None  # pure decode steps through compiled layers
+        self.decode_graphs: DecodeGraphs | None = None  # cpu: pure decode steps through compiled layers
+        self.device_graphs: DeviceGraphs | None = None  # cuda / npu: pure decode steps replayed from graphs
         if not enforce_eager:
-            reason = unsupported_reason(model, device)
-            if reason:
-                logger.info("enforce_eager=False: %s; the model runs eagerly", reason)
-            else:
-                self.decode_graphs = DecodeGraphs(model)
-                self.decode_graphs.capture(max_num_seqs, device)
-        self.enforce_eager = self.decode_graphs is None
+            self._start_graphs(max_num_seqs)
+        self.enforce_eager = self.decode_graphs is None and self.device_graphs is None
         self.fused_decode_reason = "decode graphs run instead" if not self.enforce_eager else "turned off"
         if self.enforce_eager and fused_decode.enabled() and device.type == "cpu":
             self.fused_decode_reason = fused_decode.attach(model)
@@ -52,6 +49,22 @@ class ModelRunner:
             logger.info("%s=int8: the LM head runs as int8 (per-row scales); logits differ from bf16", LM_HEAD_QUANT_ENV)
         # test-only: a deliberate per-step slowdown, so `ascq bench --compare` can be shown to catch regressions
         self.debug_step_delay_s = float(os.environ.get(DEBUG_STEP_DELAY_ENV, "0") or 0) / 1000
+
+    def _start_graphs(self, max_num_seqs: int) -> None:
+        """Device graphs on the cuda / npu kernel backends, compiled decode graphs on the CPU ones."""
+        backend = device_graphs.kernel_backend(self.model)
+        if backend in device_graphs.GRAPH_CLASSES:
+            reason = device_graphs.unsupported_reason(self.model, backend)
+            if not reason:
+                self.device_graphs = DeviceGraphs(self.model, backend)
+                self.device_graphs.capture(max_num_seqs, self.device)
+        else:
+            reason = decode_graphs.unsupported_reason(self.model, self.device)
+            if not reason:
+                self.decode_graphs = DecodeGraphs(self.model)
+                self.decode_graphs.capture(max_num_seqs, self.device)
+        if reason:
+            logger.info("enforce_eager=False: %s; the model runs eagerly", reason)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Inputs for the scheduled chunks, plus the flat row of each request's last scheduled token."""
@@ -95,7 +108,11 @@ class ModelRunner:
         if self.debug_step_delay_s:
             time.sleep(self.debug_step_delay_s)
         input_ids, positions, meta, last_rows = self.prepare(out)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = None
+        if self.device_graphs is not None and meta.max_query_len == 1:
+            hidden = self.device_graphs.run(input_ids, positions, meta)  # None past the largest capture size
+        if hidden is None:
+            hidden = self.model(input_ids, positions, meta)
         self.hidden_states = hidden  # every scheduled token's final hidden state (the engine's prompt_logprobs)
         spec_token_ids = out.spec_token_ids or [[]] * len(out.requests)
         rows, sampling = [], []

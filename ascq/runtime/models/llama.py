@@ -36,11 +36,11 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """`cos_sin`: this step's rotary factors (`RotaryEmbedding.cos_sin`), shared by all layers when given."""
+    def project(
+        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, Hkv, D] of x (rotated); `cos_sin`: this step's rotary factors
+        (`RotaryEmbedding.cos_sin`), shared by all layers when given. `self.attn` and `self.o_proj` follow."""
         qkv = self.qkv_proj(x)
         heads, q_heads = self.num_heads + self.num_kv_heads, self.num_heads
         qk_size = heads * self.head_dim
@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
         # q and k heads are adjacent in the fused projection's output: one rotation for both
         qk = self.rotary_emb.rotate(qkv[:, :qk_size].view(-1, heads, self.head_dim), cos_sin)
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(qk[:, :q_heads], qk[:, q_heads:], v, meta))
+        return qk[:, :q_heads], qk[:, q_heads:], v
 
 
 class LlamaMLP(nn.Module):
@@ -91,13 +91,24 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.pre_attention(positions, x, residual, cos_sin)
+        x, residual = self.post_attention(self.self_attn.attn(q, k, v, meta), residual)
+        return self.mlp(x), residual
+
+    def pre_attention(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm (adding the residual) -> q, k, v projection -> rotary: (q, k, v, residual)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta, cos_sin)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return *self.self_attn.project(positions, x, cos_sin), residual
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj -> post-attention norm (adding the residual): (the MLP's input, residual)."""
+        return self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
 
 
 class DecoderModel(nn.Module):
@@ -113,8 +124,8 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        cos_sin = self.layers[0].self_attn.rotary_emb.cos_sin(positions, x.dtype) if len(self.layers) else None
+        x, cos_sin = self.embed(input_ids, positions)
+        residual = None
         fused = self.fused_decode(x, cos_sin, meta) if self.fused_decode is not None else None
         if fused is not None:
             return fused
@@ -122,6 +133,14 @@ class DecoderModel(nn.Module):
             x, residual = layer(positions, x, residual, meta, cos_sin)
         x, _ = self.norm(x, residual)
         return x
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Token embeddings and the step's rotary factors (shared by every layer)."""
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.layers[0].self_attn.rotary_emb.cos_sin(positions, x.dtype) if len(self.layers) else None
+        return x, cos_sin
 
 
 class CausalLM(nn.Module):
