@@ -1,10 +1,10 @@
 /* GPTQ's column loop (ascq/quantize/gptq.py `_solve`) over rows [first, last) of one block of the transposed
  * weight: quantize the row with its group's parameters, keep its scaled error, and subtract the error's share from
  * every later row of the block (a rank-1 update). The same float operations in the same order as the torch loop
- * (ISO C: no contraction into FMAs); it removes that loop's per-column dispatch, not arithmetic. Each output column j (an element of every row) is
- * updated independently of the others, so the threads split j into contiguous ranges and never meet. */
+ * (ISO C: no contraction into FMAs); it removes that loop's per-column dispatch, not arithmetic. Each output
+ * column j (an element of every row) is updated independently of the others, so the threads split j into
+ * contiguous ranges and never meet. */
 #include <math.h>
-#include <omp.h>
 #include <stddef.h>
 
 static void columns(float *w, int out, int block_rows, int first, int last, const float *u, int u_stride, float *err,

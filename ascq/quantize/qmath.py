@@ -67,19 +67,29 @@ def compute_qparams(
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int) -> torch.Tensor:
     """int8 tensor of signed `num_bits` values; scale/zero_point broadcast against `x` (fp32 math)."""
+    return _grid_values(x, scale, zero_point, num_bits).to(torch.int8)
+
+
+def _grid_values(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """`quantize`'s values as fp32, round(clamp(x / scale (+ zero_point))), into `out` when given."""
     qmin, qmax = int_range(num_bits)
-    scaled = x.float() / scale.float()
+    scaled = torch.div(x.float(), scale.float(), out=out)
     if zero_point is not None:
-        scaled = scaled + zero_point.float()
-    return torch.round(torch.clamp(scaled, qmin, qmax)).to(torch.int8)
+        scaled.add_(zero_point.float())
+    return scaled.clamp_(qmin, qmax).round_()
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 `(q - zero_point) * scale`."""
-    values = q.float()
+    return _dequantize_(q.to(torch.float32, copy=True), scale, zero_point)
+
+
+def _dequantize_(values: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
+    """`dequantize` in place on fp32 `values`."""
     if zero_point is not None:
-        values = values - zero_point.float()
-    return values * scale.float()
+        values.sub_(zero_point.float())
+    return values.mul_(scale.float())
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int) -> torch.Tensor:
@@ -212,16 +222,10 @@ MSE_CHUNK_ELEMENTS = 1 << 17
 
 def _fake_quantize_error(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int,
                          norm: float, buffer: torch.Tensor) -> torch.Tensor:
-    """Σ |dequantize(quantize(x)) - x|^norm over the last dim, the float operations of `quantize` / `dequantize`
-    in place in `buffer` (a chunk of weights passes through it once per shrink step)."""
-    qmin, qmax = int_range(num_bits)
-    torch.div(x, scale.float(), out=buffer)
-    if zero_point is not None:
-        buffer.add_(zero_point.float())
-    buffer.clamp_(qmin, qmax).round_()
-    if zero_point is not None:
-        buffer.sub_(zero_point.float())
-    return buffer.mul_(scale.float()).sub_(x).abs_().pow_(norm).sum(-1)
+    """Σ |dequantize(quantize(x)) - x|^norm over the last dim, in place in `buffer` (a chunk of weights passes
+    through it once per shrink step)."""
+    values = _grid_values(x, scale, zero_point, num_bits, out=buffer)
+    return _dequantize_(values, scale, zero_point).sub_(x).abs_().pow_(norm).sum(-1)
 
 
 def weight_qparams(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
