@@ -174,6 +174,7 @@ def convert(
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Measure perplexity before/after (two more forwards of every layer).")] = True,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 1GB, 500MB (held in memory until written).")] = "1GB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing entry at --out (atomically; never the source).")] = False,
+    calibration_dtype: Annotated[str, typer.Option(help="dtype of the linears' products in the calibration forwards: float32, bfloat16, or auto (bfloat16 on CPUs with a fast bf16 GEMM: AMX / AVX-512 BF16; only for recipes measured to keep their quality with it: GPTQ).")] = "auto",
 ) -> None:
     """Quantize a checkpoint with one or more recipes into a zoo entry (layer by layer, atomic)."""
     from ascq.quantize.convert import ConvertOptions, format_summary, parse_size
@@ -182,7 +183,7 @@ def convert(
     options = ConvertOptions(
         model=model, recipes=recipe, out=out, calib=calib, num_samples=num_samples, seq_len=seq_len, device=device,
         format=format, eval_text=eval_text, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
-        max_eval_tokens=max_eval_tokens or None, evaluate=evaluate,
+        max_eval_tokens=max_eval_tokens or None, evaluate=evaluate, calibration_dtype=calibration_dtype,
     )  # fmt: skip
     typer.echo(format_summary(run_convert(options)))
 

@@ -14,7 +14,7 @@ from ascq.quantize.architectures import load_architecture
 from ascq.quantize.gptq import GramCache, HessianAccumulator
 from ascq.quantize.input_capture import InputCapture
 from ascq.quantize.layer_context import LayerContext
-from ascq.quantize.pipeline import fast_attention
+from ascq.quantize.pipeline import fast_layer
 from ascq.quantize.reference_forward import activation_pre_hook
 
 W4_G32 = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)
@@ -134,8 +134,8 @@ def test_fused_attention_matches_the_reference_attention(tiny_llama_dir):
     x = torch.randn(3, 40, arch.hidden_size)
     positions = torch.arange(40)[None]
     reference = arch.forward_layer(layer, x, positions)
-    fused = arch.forward_layer(fast_attention(layer), x, positions)
-    assert layer.self_attn.fused_attention
+    fused = arch.forward_layer(fast_layer(layer), x, positions)
+    assert layer.self_attn.fused_attention is torch.float32
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
 
@@ -221,7 +221,7 @@ def test_integer_gemm_propagation_matches_the_fake_quantized_fp32_forward(tiny_l
                 input_scale = torch.tensor([0.05], dtype=torch.bfloat16) if static else None
                 quantized[name] = (target, QuantizedLinear(q, scale, None, input_scale))
                 assert integer_gemm_applies(target, module) == fast
-        install_quantized(fast_attention(layer), quantized, integer_gemm=True)
+        install_quantized(fast_layer(layer), quantized, integer_gemm=True)
         outputs[fast] = arch.forward_block(layer, None, x, torch.arange(40)[None])
     torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-5, atol=1e-5)
     assert not torch.equal(outputs[True], x)
@@ -236,7 +236,7 @@ def _gptq_context(tiny_llama_dir, propagate_in_place: bool) -> tuple:
     targets, _, _ = layer_targets(layer, arch.layer_prefix(0), [modifier.quant_scheme()])
     torch.manual_seed(0)
     inputs = [torch.randn(2, 48, 256) * 3 for _ in range(2)]
-    ctx = LayerContext(0, arch.layer_prefix(0), arch, fast_attention(layer), inputs, targets, torch.bfloat16,
+    ctx = LayerContext(0, arch.layer_prefix(0), arch, fast_layer(layer), inputs, targets, torch.bfloat16,
                        propagate_in_place=propagate_in_place)
     return modifier, ctx
 
@@ -270,7 +270,7 @@ def test_gptq_of_stacked_linears_equals_each_linears_own():
     weights = [torch.randn(32, 64), torch.randn(16, 64)]
     config = GPTQConfig(group_size=32, actorder=True)
 
-    def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def qparams(w: torch.Tensor, importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return qmath.compute_qparams(w.amin(-1), w.amax(-1), 4, False, torch.float32, None)
 
     stacked = gptq_quantize(torch.cat(weights), hessian, qparams, (0, 15), config)
@@ -278,3 +278,51 @@ def test_gptq_of_stacked_linears_equals_each_linears_own():
     for part, own in zip(zip(*(t.split([32, 16]) for t in stacked), strict=True), alone, strict=True):
         for a, b in zip(part, own, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_products_layer_matches_fp32_to_bf16_rounding(tiny_llama_dir, monkeypatch):
+    """`fast_layer(layer, bfloat16)`: the same layer function with every product rounded like a bf16 GEMM, while
+    hooks still see the fp32 inputs; q/k/v and gate/up round their shared input once."""
+    from ascq.quantize import pipeline
+
+    arch, layer = tiny_layer(tiny_llama_dir)
+    torch.manual_seed(0)
+    x = torch.randn(2, 24, arch.hidden_size)
+    positions = torch.arange(24)[None]
+    reference = arch.forward_layer(fast_layer(layer), x, positions)
+    seen = []
+    handle = layer.self_attn.q_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    rounded = []
+    shared_result = pipeline.shared_result
+
+    def counting(shared, tensor, key, compute):
+        return shared_result(shared, tensor, key, lambda: rounded.append(tensor.shape[-1]) or compute())
+
+    monkeypatch.setattr(pipeline, "shared_result", counting)
+    try:
+        bf16 = arch.forward_layer(fast_layer(layer, torch.bfloat16), x, positions)
+    finally:
+        handle.remove()
+    assert seen == [torch.float32] and layer.self_attn.fused_attention is torch.bfloat16
+    assert bf16.dtype == torch.float32 and not torch.equal(bf16, reference)
+    torch.testing.assert_close(bf16, reference, rtol=0.05, atol=0.05)
+    # 7 linears, 4 distinct inputs: q/k/v's, o's, gate/up's, down's
+    assert len(rounded) == 4
+
+
+def test_calibration_dtype_auto_is_bf16_only_for_recipes_measured_with_it(monkeypatch):
+    from ascq.errors import AscqError
+    from ascq.kernels import cpu
+    from ascq.quantize import pipeline
+    from ascq.quantize.recipe import load_recipes
+
+    monkeypatch.setattr(cpu, "BF16_GEMM_FAST", True)
+    assert pipeline.calibration_gemm_dtype("auto", "cpu", load_recipes(["w4a16-gptq"])) is torch.bfloat16
+    assert pipeline.calibration_gemm_dtype("auto", "cpu", load_recipes(["awq-int4"])) is torch.float32
+    assert pipeline.calibration_gemm_dtype("auto", "cpu", load_recipes(["w8a8"])) is torch.float32
+    assert pipeline.calibration_gemm_dtype("bfloat16", "cpu", load_recipes(["awq-int4"])) is torch.bfloat16
+    assert pipeline.calibration_gemm_dtype("auto", "cuda", load_recipes(["w8a8"])) is torch.float32
+    monkeypatch.setattr(cpu, "BF16_GEMM_FAST", False)
+    assert pipeline.calibration_gemm_dtype("auto", "cpu", load_recipes(["w8a8"])) is torch.float32
+    with pytest.raises(AscqError, match="--calibration-dtype 'fp16'"):
+        pipeline.calibration_gemm_dtype("fp16", "cpu", load_recipes(["w8a8"]))

@@ -104,6 +104,11 @@ def test_modifier_arguments_are_validated():
         GPTQModifier.from_args({"scheme": "W4A16_ASYM", "actorder": "group"})
     with pytest.raises(RecipeError, match="needs a scheme"):
         GPTQModifier.from_args({"block_size": 64})
+    with pytest.raises(RecipeError, match="weighted_mse weights the mse observer's error"):
+        GPTQModifier.from_args({"scheme": "W4A16_ASYM", "weighted_mse": True})  # the preset's observer is minmax
+    mse_group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                                    "strategy": "group", "group_size": 32, "observer": "mse"}}
+    assert GPTQModifier.from_args({"config_groups": {"g": mse_group}, "weighted_mse": True}).weighted_mse
     from ascq.quantize.awq_modifier import AWQModifier
 
     with pytest.raises(RecipeError, match="unknown argument 'alpha'"):

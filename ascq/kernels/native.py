@@ -36,7 +36,8 @@ from ascq.atomic_file import atomic_output
 from ascq.errors import AscqError
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c", "gptq_columns.c")]
+           for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c", "gptq_columns.c",
+                                             "group_quant_error.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of the build's cache key
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -101,6 +102,9 @@ def load() -> ctypes.CDLL | None:
     lib.ascq_gptq_columns.restype = ctypes.c_int
     lib.ascq_gptq_columns.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
     lib.ascq_gptq_columns.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_float] * 2 + [ctypes.c_int]
+    lib.ascq_group_quant_errors.restype = ctypes.c_int
+    lib.ascq_group_quant_errors.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
+    lib.ascq_group_quant_errors.argtypes += [ctypes.c_int] + [ctypes.c_float] * 3 + [ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -234,6 +238,28 @@ def gptq_columns(w: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scales: to
                                    torch.get_num_threads())
     if status != 0:
         raise ValueError(f"GPTQ column loop rejected rows {first}..{last} of a {tuple(w.shape)} block")
+
+
+def group_quant_errors(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, q_range: tuple[int, int],
+                       norm: float, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ importance · |dequantize(quantize(x)) - x|^norm per group and candidate (group_quant_error.c): x and
+    importance (None: 1) fp32 [groups, len], scales / zeros (None: symmetric) fp32 [groups, candidates] -> fp32
+    [groups, candidates]."""
+    lib = load()
+    assert x.dtype == scales.dtype == torch.float32 and x.is_contiguous() and scales.is_contiguous()
+    assert importance is None or (importance.dtype == torch.float32 and importance.is_contiguous()
+                                  and importance.shape == x.shape)
+    assert scales.shape[0] == x.shape[0] and (zeros is None or (zeros.dtype == torch.float32 and zeros.is_contiguous()
+                                                                  and zeros.shape == scales.shape))
+    errors = torch.empty_like(scales)
+    status = lib.ascq_group_quant_errors(x.data_ptr(), None if importance is None else importance.data_ptr(),
+                                         x.shape[0], x.shape[1], scales.data_ptr(),
+                                         None if zeros is None else zeros.data_ptr(), scales.shape[1],
+                                         float(q_range[0]), float(q_range[1]), float(norm), errors.data_ptr(),
+                                         torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"quantization error kernel rejected x {tuple(x.shape)}, {scales.shape[1]} candidates")
+    return errors
 
 
 def bf16_mm(lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

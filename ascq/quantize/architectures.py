@@ -125,6 +125,7 @@ def _common_parent(names: list[str]) -> str:
 class Architecture:
     model_type: str
     blocks: tuple[LayerBlock, ...] = DECODER_BLOCKS  # the layer's residual halves, in order (`forward_block`)
+    has_routed_experts: bool = False  # MoE layers (`expert_names`)
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
@@ -198,6 +199,7 @@ class LlamaFamily(Architecture):
 
 class DeepseekMoEArch(Architecture):
     model_type = "deepseek"
+    has_routed_experts = True
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

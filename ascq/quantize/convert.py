@@ -19,7 +19,13 @@ from ascq.paths import DEFAULT_MAX_EVAL_TOKENS, EVAL_TEXT, portable_name, zoo_ro
 from ascq.quantize.architectures import load_architecture
 from ascq.quantize.calibration import CalibrationSet, hub_reachable, load_calibration
 from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
-from ascq.quantize.pipeline import EVAL_SEQ_LEN, StreamResult, stream_convert
+from ascq.quantize.pipeline import (
+    CALIBRATION_DTYPES,
+    EVAL_SEQ_LEN,
+    StreamResult,
+    calibration_gemm_dtype,
+    stream_convert,
+)
 from ascq.quantize.qmath import source_block_size, source_has_float_min
 from ascq.quantize.recipe import ComposedRecipe, load_recipes
 from ascq.zoo.manifest import (
@@ -57,6 +63,7 @@ class ConvertOptions:
     max_shard_bytes: int = 1 << 30  # pending output is held in memory up to this size
     progress: bool = True
     overwrite: bool = False  # replace an existing entry at `out` (atomically; never the source)
+    calibration_dtype: str = "auto"  # the linears' products in the converter's forwards (`calibration_gemm_dtype`)
 
     def __post_init__(self) -> None:
         if not self.recipes:
@@ -69,6 +76,8 @@ class ConvertOptions:
             raise UnsupportedError(f"--format {self.format!r}: supported: {', '.join(FORMATS)}")
         if self.max_eval_tokens is not None and self.max_eval_tokens < EVAL_SEQ_LEN:
             raise AscqError(f"--max-eval-tokens must be >= {EVAL_SEQ_LEN} (one eval window), or 0 for the whole text")
+        if self.calibration_dtype not in CALIBRATION_DTYPES:
+            raise AscqError(f"--calibration-dtype {self.calibration_dtype!r}: use one of {', '.join(CALIBRATION_DTYPES)}")
         if self.max_shard_bytes < 1:
             raise AscqError("--max-shard-size must be positive")
         if not self.evaluate and (self.eval_text is not None or self.max_eval_tokens != DEFAULT_MAX_EVAL_TOKENS):
@@ -144,6 +153,7 @@ def _convert(options: ConvertOptions) -> Path:
     target = Path(options.out) if options.out else default_output(model_dir, recipe.names, options.format)
     check_output(target, [model_dir], options.overwrite)
     device = check_device(options.device)
+    gemm_dtype = calibration_gemm_dtype(options.calibration_dtype, device, recipe)
     arch = load_architecture(model_dir)
     reader = CheckpointReader(model_dir)
     _check_format(options.format, recipe)
@@ -160,7 +170,7 @@ def _convert(options: ConvertOptions) -> Path:
         writer = _writer(options, staging, reader, arch.config)
         result = stream_convert(
             reader, arch, recipe, calib.input_ids, staging, device, options.max_shard_bytes, eval_ids, options.progress,
-            writer, source_block_size(source), source_has_float_min(source),
+            writer, source_block_size(source), source_has_float_min(source), gemm_dtype,
         )
         if options.format == "msmodelslim":
             writer.write_config(staging, arch.config)
@@ -171,7 +181,8 @@ def _convert(options: ConvertOptions) -> Path:
                 shutil.copy2(model_dir / file, staging / file)
         metrics = _metrics(result, calib, eval_ids, eval_path, int(arch.config["vocab_size"]))
         conversion = {"seconds": round(time.perf_counter() - start, 2), "peak_rss_bytes": peak_rss_bytes(),
-                      "device": device, "num_layers": arch.num_layers, "source_bytes": reader.num_bytes}
+                      "device": device, "calibration_dtype": str(gemm_dtype).removeprefix("torch."),
+                      "num_layers": arch.num_layers, "source_bytes": reader.num_bytes}
         write_manifest(staging, build_manifest(target.name, options, model_dir, source, recipe, calib, result, metrics, conversion))
     return target
 

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
+from ascq.kernels import native
+
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
@@ -187,45 +189,58 @@ WEIGHT_OBSERVERS = (*MINMAX_OBSERVERS[1:], "mse")
 MSE_DEFAULTS = {"maxshrink": 0.2, "grid": 100.0, "norm": 2.4}  # llm-compressor's MovingAverageMSEObserver defaults
 
 
-def weight_ranges(grouped: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_ranges(grouped: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype,
+                  importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(min, max) per group of `grouped` [..., group_len] as the weight observer says: the extremes (minmax), or
     for `observer: mse` the extremes shrunk by the factor 1 - i/grid, i = 0 .. maxshrink·grid, whose quantization
     error Σ|q - w|^norm is smallest per group (llm-compressor's MSE observer and its defaults, `observer_kwargs`
-    maxshrink / grid / norm; every step is tried, without its early stop)."""
+    maxshrink / grid / norm; every step is tried, without its early stop). `importance` (broadcast against
+    `grouped`, mse only) weights each element's error: Σ importance·|q - w|^norm (GPTQ's diag(H), see
+    `gptq_modifier`)."""
     low, high = grouped.amin(-1), grouped.amax(-1)
     if args.observer in MINMAX_OBSERVERS:
+        if importance is not None:
+            raise ValueError("weight_ranges: importance weights only the mse observer's error")
         return low, high
     options = {**MSE_DEFAULTS, **(args.observer_kwargs or {})}
-    shrinks = [1 - step / options["grid"] for step in range(int(options["maxshrink"] * options["grid"]) + 1)]
-    flat = grouped.float().reshape(-1, grouped.shape[-1])
-    low, high = low.reshape(-1), high.reshape(-1)
-    best = torch.ones_like(low)  # the shrink factor per group
-    rows_per_chunk = max(1, MSE_CHUNK_ELEMENTS // flat.shape[1])  # every shrink step on a chunk while it is in cache
-    for first in range(0, flat.shape[0], rows_per_chunk):
-        chunk = slice(first, first + rows_per_chunk)
-        buffer = torch.empty_like(flat[chunk])
-        best_err = torch.full_like(low[chunk], float("inf"))
-        for shrink in shrinks:
-            scale, zero = compute_qparams(low[chunk] * shrink, high[chunk] * shrink, args.num_bits, args.symmetric,
-                                          scale_dtype, zero_point_dtype(args))
-            err = _fake_quantize_error(flat[chunk], scale[:, None], None if args.symmetric else zero[:, None],
-                                       args.num_bits, options["norm"], buffer)
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best[chunk] = torch.where(better, shrink, best[chunk])
-    best = best.view(grouped.shape[:-1])
-    return low.view(best.shape) * best, high.view(best.shape) * best
+    steps = int(options["maxshrink"] * options["grid"]) + 1
+    shrinks = torch.tensor([1 - step / options["grid"] for step in range(steps)], dtype=torch.float32)
+    flat = grouped.float().reshape(-1, grouped.shape[-1]).contiguous()
+    low, high = low.float().reshape(-1, 1), high.float().reshape(-1, 1)
+    scale, zero = compute_qparams(low * shrinks, high * shrinks, args.num_bits, args.symmetric, scale_dtype,
+                                  zero_point_dtype(args))  # [groups, steps]
+    zero = None if args.symmetric else zero.float()
+    if importance is not None:
+        importance = importance.float().expand(grouped.shape).reshape(flat.shape).contiguous()
+    if native.available():
+        errors = native.group_quant_errors(flat, scale.float().contiguous(), zero, int_range(args.num_bits),
+                                           options["norm"], importance)
+    else:
+        errors = _group_quant_errors(flat, scale, zero, args.num_bits, options["norm"], importance)
+    best = shrinks[torch.nan_to_num(errors, nan=float("inf")).argmin(-1)][:, None]  # the first of equal errors
+    return (low * best).view(grouped.shape[:-1]), (high * best).view(grouped.shape[:-1])
 
 
 MSE_CHUNK_ELEMENTS = 1 << 17
 
 
-def _fake_quantize_error(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int,
-                         norm: float, buffer: torch.Tensor) -> torch.Tensor:
-    """Σ |dequantize(quantize(x)) - x|^norm over the last dim, in place in `buffer` (a chunk of weights passes
-    through it once per shrink step)."""
-    values = _grid_values(x, scale, zero_point, num_bits, out=buffer)
-    return _dequantize_(values, scale, zero_point).sub_(x).abs_().pow_(norm).sum(-1)
+def _group_quant_errors(flat: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, num_bits: int,
+                        norm: float, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """`native.group_quant_errors` in torch ops (hosts without the native kernels): Σ importance · |dequantize(
+    quantize(x)) - x|^norm [groups, candidates], a chunk of groups at a time through every candidate while it is in
+    cache."""
+    errors = torch.empty(scale.shape, dtype=torch.float32)
+    rows_per_chunk = max(1, MSE_CHUNK_ELEMENTS // flat.shape[1])
+    for first in range(0, flat.shape[0], rows_per_chunk):
+        chunk = slice(first, first + rows_per_chunk)
+        buffer = torch.empty_like(flat[chunk])
+        for c in range(scale.shape[1]):
+            values = _grid_values(flat[chunk], scale[chunk, c, None], None if zero is None else zero[chunk, c, None],
+                                  num_bits, out=buffer)
+            error = _dequantize_(values, scale[chunk, c, None], None if zero is None else zero[chunk, c, None]
+                                 ).sub_(flat[chunk]).abs_().pow_(norm)
+            errors[chunk, c] = (error if importance is None else error.mul_(importance[chunk])).sum(-1)
+    return errors
 
 
 def weight_qparams(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

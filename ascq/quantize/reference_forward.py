@@ -42,7 +42,7 @@ def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None
             return qmath.static_fake_quantize(x, input_scale.to(x.device), args.num_bits)
 
         key = ("fake", args, None if input_scale is None else tuple(input_scale.reshape(-1).tolist()))
-        out = fake_quantize() if shared is None else _shared(shared, x, key, fake_quantize)
+        out = fake_quantize() if shared is None else shared_result(shared, x, key, fake_quantize)
         return (out, *inputs[1:])
 
     return hook
@@ -72,7 +72,7 @@ def set_dequantized_weight(linear: nn.Linear, target: LinearTarget, ql: Quantize
     linear.weight.data = weight.to(linear.weight.device, linear.weight.dtype)
 
 
-def _shared(shared: dict, x: torch.Tensor, key: object, compute) -> object:
+def shared_result(shared: dict, x: torch.Tensor, key: object, compute) -> object:
     """`compute()` of the input `x`, reused while linears read the same, unchanged tensor with the same quantizer
     (`key`): q/k/v and gate/up quantize their input once. `shared` holds the last one (one dict per layer)."""
     if shared.get("input") is x and shared["version"] == x._version and shared["key"] == key:
@@ -121,7 +121,7 @@ def integer_codes(x: torch.Tensor, weights: IntegerWeights, shared: dict) -> tup
         return q.to(torch.int8), scale
 
     key = ("integer", weights.activations, None if weights.input_scale is None else weights.input_scale.item())
-    return _shared(shared, x, key, codes)
+    return shared_result(shared, x, key, codes)
 
 
 def integer_forward(weights: IntegerWeights, shared: dict, x: torch.Tensor) -> torch.Tensor:
