@@ -37,7 +37,7 @@ from ascq.errors import AscqError
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c", "gptq_columns.c",
-                                             "group_quant_error.c")]
+                        "group_quant_error.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of the build's cache key
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]

@@ -20,10 +20,10 @@ from ascq.quantize.architectures import load_architecture
 from ascq.quantize.calibration import CalibrationSet, hub_reachable, load_calibration
 from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
 from ascq.quantize.pipeline import (
-    CALIBRATION_DTYPES,
     EVAL_SEQ_LEN,
     StreamResult,
     calibration_gemm_dtype,
+    check_calibration_dtype,
     stream_convert,
 )
 from ascq.quantize.qmath import source_block_size, source_has_float_min
@@ -76,8 +76,7 @@ class ConvertOptions:
             raise UnsupportedError(f"--format {self.format!r}: supported: {', '.join(FORMATS)}")
         if self.max_eval_tokens is not None and self.max_eval_tokens < EVAL_SEQ_LEN:
             raise AscqError(f"--max-eval-tokens must be >= {EVAL_SEQ_LEN} (one eval window), or 0 for the whole text")
-        if self.calibration_dtype not in CALIBRATION_DTYPES:
-            raise AscqError(f"--calibration-dtype {self.calibration_dtype!r}: use one of {', '.join(CALIBRATION_DTYPES)}")
+        check_calibration_dtype(self.calibration_dtype)
         if self.max_shard_bytes < 1:
             raise AscqError("--max-shard-size must be positive")
         if not self.evaluate and (self.eval_text is not None or self.max_eval_tokens != DEFAULT_MAX_EVAL_TOKENS):

@@ -115,6 +115,11 @@ def layer_targets(
 CALIBRATION_DTYPES = ("auto", "float32", "bfloat16")
 
 
+def check_calibration_dtype(choice: str) -> None:
+    if choice not in CALIBRATION_DTYPES:
+        raise AscqError(f"--calibration-dtype {choice!r}: use one of {', '.join(CALIBRATION_DTYPES)}")
+
+
 def calibration_gemm_dtype(choice: str, device: str, recipe: ComposedRecipe) -> torch.dtype:
     """The dtype of the linears' products in the converter's forwards (`--calibration-dtype`). auto: bfloat16 on a
     CPU whose bf16 GEMM outruns its fp32 GEMM (`cpu.BF16_GEMM_FAST`; SmolLM2's 8192 x 576 x 1536 on a 2-core AMD
@@ -122,8 +127,7 @@ def calibration_gemm_dtype(choice: str, device: str, recipe: ComposedRecipe) -> 
     (`Modifier.calibrates_in_bf16`: GPTQ), else float32. Measured on SmolLM2: AWQ's α search compares block-output
     losses, which bf16 products blur (awq-int4 33.121 vs 32.563 with fp32), and SmoothQuant's w8a8 went from +2.77 %
     to +3.36 % over full precision (32 x 512 calibration, GPL-3)."""
-    if choice not in CALIBRATION_DTYPES:
-        raise AscqError(f"--calibration-dtype {choice!r}: use one of {', '.join(CALIBRATION_DTYPES)}")
+    check_calibration_dtype(choice)
     if choice == "auto":
         bf16 = all(m.calibrates_in_bf16 for m in recipe.modifiers)
         return torch.bfloat16 if cpu.BF16_GEMM_FAST and device == "cpu" and bf16 else torch.float32
@@ -144,7 +148,7 @@ def fast_layer(layer: nn.Module, gemm_dtype: torch.dtype = torch.float32) -> nn.
     return layer
 
 
-def gemm_in(linear: nn.Linear, dtype: torch.dtype, casts: dict | None = None) -> None:
+def gemm_in(linear: nn.Linear, dtype: torch.dtype, casts: dict) -> None:
     """`linear` computes its product in `dtype`: input and weight (whatever the weight is when called) rounded to
     it, the GEMM accumulating in fp32 (oneDNN's bf16 GEMM), the output back in the input's dtype plus the bias.
     Hooks still see the input at full precision (Hessians, activation statistics); only the products are rounded:
@@ -152,7 +156,7 @@ def gemm_in(linear: nn.Linear, dtype: torch.dtype, casts: dict | None = None) ->
     a layer, which then round an input they share once (`reference_forward.shared_result`)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        cast = x.to(dtype) if casts is None else shared_result(casts, x, dtype, lambda: x.to(dtype))
+        cast = shared_result(casts, x, dtype, lambda: x.to(dtype))
         y = F.linear(cast, linear.weight.to(dtype)).to(x.dtype)
         return y if linear.bias is None else y.add_(linear.bias)
 
