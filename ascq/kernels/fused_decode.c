@@ -27,12 +27,13 @@ void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const floa
                               const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
                               int num_rows, int n, int k, int group_size, int j0, int j1);
 int ascq_weight_only_shapes_ok(int bits, int k, int group_size);
+int ascq_weight_only_chunk_columns(int n, int num_threads);
 void ascq_bf16_columns(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int j0, int j1);
-void ascq_attend_one(const float *query, const void *k_cache, const void *v_cache, int dtype,
-                     const int32_t *block_table, int seq_len, int num_kv_heads, int kv_head, int kv_count, int group,
-                     int head_dim, int block_size, float scale, float k_scale, float v_scale,
-                     const float *fp8_values, float *scores, float *row, float *out);
-int ascq_attention_kv_per_task(int num_seqs, int num_kv_heads, int num_threads);
+int ascq_attention_heads_per_task(int num_seqs, int num_heads, int num_threads);
+void ascq_attend_task(int task, int heads_per_task, const float *query, const void *k_cache, const void *v_cache,
+                      int dtype, const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int num_heads,
+                      int num_kv_heads, int head_dim, int block_size, float scale, float k_scale, float v_scale,
+                      const float *fp8_values, float *scores, float *out);
 
 typedef struct {
     int kind;  // 0: dense bf16 weight [n, k]; 4 or 8: weight-only bits (weight_only_mm.c layout)
@@ -156,12 +157,15 @@ static void prepare_input(const ascq_fused_linear *p, const uint16_t *x, int num
 
 // The output columns in chunks taken by whichever thread is free (on a shared machine a thread may be descheduled
 // for a while; each column's result does not depend on the split), with the worksharing loop's barrier at the end.
-#define CHUNK_COLUMNS 64  // a multiple of the weight-only kernel's tile (8 features)
+// Weight-only chunks as ascq_weight_only_mm splits them (long contiguous runs of weights).
+#define BF16_CHUNK_COLUMNS 64
 static void linear_columns(const ascq_fused_linear *p, const linear_input *in, int num_rows, float *y) {
-    int num_chunks = (p->n + CHUNK_COLUMNS - 1) / CHUNK_COLUMNS;
+    int chunk_columns =
+        p->kind == 0 ? BF16_CHUNK_COLUMNS : ascq_weight_only_chunk_columns(p->n, omp_get_num_threads());
+    int num_chunks = (p->n + chunk_columns - 1) / chunk_columns;
 #pragma omp for schedule(dynamic)
     for (int c = 0; c < num_chunks; c++) {
-        int j0 = c * CHUNK_COLUMNS, j1 = j0 + CHUNK_COLUMNS < p->n ? j0 + CHUNK_COLUMNS : p->n;
+        int j0 = c * chunk_columns, j1 = j0 + chunk_columns < p->n ? j0 + chunk_columns : p->n;
         if (p->kind == 0)
             ascq_bf16_columns(in->xf, p->weight, y, num_rows, p->n, p->k, j0, j1);
         else
@@ -252,9 +256,8 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
     if (num_threads < 1 || check_step(m, num_rows, slot_mapping, block_tables, max_blocks, seq_lens)) return -1;
     int hidden = m->hidden, inter = m->intermediate, head_dim = m->head_dim;
     int q_size = m->num_heads * head_dim, kv_size = m->num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
-    int group = m->num_heads / m->num_kv_heads, max_len = 0;
-    int kv_per_task = ascq_attention_kv_per_task(num_rows, m->num_kv_heads, num_threads);
-    int tasks_per_row = m->num_kv_heads / kv_per_task;
+    int max_len = 0;
+    int heads_per_task = ascq_attention_heads_per_task(num_rows, m->num_heads, num_threads);
     for (int b = 0; b < num_rows; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int widest = qkv_size > 2 * inter ? qkv_size : 2 * inter;
     widest = widest > hidden ? widest : hidden;
@@ -306,14 +309,10 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
                     }
                 }
 #pragma omp for schedule(dynamic)
-                for (int task = 0; task < num_rows * tasks_per_row; task++) {
-                    int b = task / tasks_per_row, kv_head = task % tasks_per_row * kv_per_task;
-                    size_t at = (size_t)b * q_size + (size_t)kv_head * group * head_dim;
-                    ascq_attend_one(query + at, L->k_cache, L->v_cache, 1, block_tables + (size_t)b * max_blocks,
-                                    seq_lens[b], m->num_kv_heads, kv_head, kv_per_task, group, head_dim,
-                                    m->block_size, m->attn_scale, 1.f, 1.f, NULL, scores,
-                                    scores + (size_t)kv_per_task * group * seq_lens[b], attn + at);
-                }
+                for (int task = 0; task < num_rows * (m->num_heads / heads_per_task); task++)
+                    ascq_attend_task(task, heads_per_task, query, L->k_cache, L->v_cache, 1, block_tables, max_blocks,
+                                     seq_lens, m->num_heads, m->num_kv_heads, head_dim, m->block_size,
+                                     m->attn_scale, 1.f, 1.f, NULL, scores, attn);
 #pragma omp single
                 {
                     to_bf16(attn, h, (long)rows * q_size);
