@@ -146,7 +146,8 @@ static void attend_bf16(const float *query, const uint16_t *k_cache, const uint1
             float *head_scores = scores + (size_t)head * seq_len + pos0;
             int off = 0;
             for (; off + KEYS_AT_ONCE <= end; off += KEYS_AT_ONCE)
-                key_scores(q, head_keys + off * row_stride, row_stride, KEYS_AT_ONCE, head_dim, scale, head_scores + off);
+                key_scores(q, head_keys + off * row_stride, row_stride, KEYS_AT_ONCE, head_dim, scale,
+                           head_scores + off);
             for (; off < end; off++)
                 key_scores(q, head_keys + off * row_stride, row_stride, 1, head_dim, scale, head_scores + off);
         }
@@ -235,12 +236,14 @@ void ascq_attend_task(int task, int heads_per_task, const float *query, const vo
                       const float *fp8_values, float *scores, float *out) {
     int tasks_per_seq = num_heads / heads_per_task, b = task / tasks_per_seq;
     int first = task % tasks_per_seq * heads_per_task, group = num_heads / num_kv_heads;
-    // one head: its kv head alone, as a group of 1 (a head's arithmetic does not depend on kv_count or group)
-    int kv_head = first / group, kv_count = heads_per_task == 1 ? 1 : num_kv_heads;
+    // fewer heads than a group: their kv head as a group of that size (a head's arithmetic does not depend on
+    // kv_count or group)
+    int task_group = heads_per_task < group ? heads_per_task : group;
     size_t at = ((size_t)b * num_heads + first) * head_dim;
     ascq_attend_one(query + at, k_cache, v_cache, dtype, block_tables + (size_t)b * max_blocks, seq_lens[b],
-                    num_kv_heads, kv_head, kv_count, heads_per_task == 1 ? 1 : group, head_dim, block_size, scale,
-                    k_scale, v_scale, fp8_values, scores, scores + (size_t)heads_per_task * seq_lens[b], out + at);
+                    num_kv_heads, first / group, heads_per_task / task_group, task_group, head_dim, block_size,
+                    scale, k_scale, v_scale, fp8_values, scores, scores + (size_t)heads_per_task * seq_lens[b],
+                    out + at);
 }
 
 // query fp32 [B, H, D] -> out fp32 [B, H, D]. Caches [num_blocks, block_size, Hkv, D] of `cache_dtype`
