@@ -4,7 +4,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "ascq.runtime.llm", "SamplingParams": "ascq.runtime.sampling_params"}
+_LAZY = {"LLM": "ascq.runtime.engine.llm", "SamplingParams": "ascq.runtime.sampling.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:

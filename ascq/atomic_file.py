@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ try:  # recent typer vendors click
 except ImportError:  # pragma: no cover - older typer depends on click
     from click import exceptions as click_exceptions
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.paths import DEFAULT_MAX_EVAL_TOKENS
 
 app = typer.Typer(
@@ -61,7 +61,7 @@ def zoo_list(
 @zoo_app.command("show")
 def zoo_show(entry: Annotated[str, typer.Argument(help="Entry name or path.")]) -> None:
     """Print one entry's manifest: provenance, recipe, metrics, files (and the plan of a planned entry)."""
-    from ascq.zoo.manifest import resolve_entry
+    from ascq.formats.manifest import resolve_entry
     from ascq.zoo.show import format_entry
 
     typer.echo(format_entry(resolve_entry(entry)))
@@ -70,7 +70,7 @@ def zoo_show(entry: Annotated[str, typer.Argument(help="Entry name or path.")]) 
 @zoo_app.command("verify")
 def zoo_verify(entry: Annotated[str, typer.Argument(help="Entry name or path.")]) -> None:
     """Check sha256 of every file, that config and tokenizer load, and that tensor names match the format."""
-    from ascq.zoo.manifest import resolve_entry
+    from ascq.formats.manifest import resolve_entry
     from ascq.zoo.verify import verify_entry
 
     entry_dir = resolve_entry(entry)
@@ -85,8 +85,8 @@ def zoo_card(
     repo: Annotated[str | None, typer.Option(help="Hub repo id (ORG/NAME) to use in the serving commands.")] = None,
 ) -> None:
     """Write the entry's README.md model card (Hub metadata) and record it in the manifest."""
+    from ascq.formats.manifest import resolve_entry
     from ascq.zoo.card import write_card
-    from ascq.zoo.manifest import resolve_entry
 
     typer.echo(f"wrote {write_card(resolve_entry(entry), repo)}")
 
@@ -111,8 +111,8 @@ def zoo_gc(
     """Remove staging folders that a killed convert / import / pull left behind (their process is gone)."""
     import shutil
 
+    from ascq.formats.manifest import stale_staging
     from ascq.paths import zoo_root
-    from ascq.zoo.manifest import stale_staging
 
     found = stale_staging(zoo or zoo_root())
     for path in found:
@@ -257,10 +257,10 @@ def generate(
     speculative_config: SpeculativeConfig = None,
 ) -> None:
     """Generate text for one or more prompts (--prompt) or chat messages (--chat) offline and print it."""
+    from ascq.formats.manifest import resolve_local_model
     from ascq.quantize.convert import check_device
-    from ascq.runtime.llm import LLM
-    from ascq.runtime.sampling_params import SamplingParams
-    from ascq.zoo.manifest import resolve_local_model
+    from ascq.runtime.engine.llm import LLM
+    from ascq.runtime.sampling.sampling_params import SamplingParams
     from ascq.zoo.planned import require_weights
 
     if bool(prompt) == bool(chat):
@@ -349,10 +349,10 @@ def serve(
                            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                            stream_interval=stream_interval)
 
+    from ascq.formats.manifest import resolve_local_model
     from ascq.quantize.convert import check_device
-    from ascq.runtime.engine_args import EngineArgs
+    from ascq.runtime.engine.engine_args import EngineArgs
     from ascq.runtime.server.api_server import run_server
-    from ascq.zoo.manifest import resolve_local_model
     from ascq.zoo.planned import require_weights
 
     model = resolve_local_model(model)  # a path or a zoo entry name
@@ -368,7 +368,7 @@ def serve(
                              **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel,
                                              nnodes, node_rank, master_addr, master_port))
     if headless:
-        from ascq.runtime.distributed.executor import run_node
+        from ascq.runtime.executor.executor import run_node
 
         run_node(engine_args)
         return
@@ -389,9 +389,9 @@ Goodput = Annotated[list[str] | None, typer.Option(help="SLOs as KEY:MS (ttft, t
 
 def _bench_finish(kind: str, report: str, options: dict, metrics: dict, save_result: Path | None,
                   compare: Path | None, max_regression: float) -> None:
-    from ascq.runtime.bench import compare as compare_metrics
-    from ascq.runtime.bench import load_result
-    from ascq.runtime.bench import save_result as save
+    from ascq.runtime.bench.offline import compare as compare_metrics
+    from ascq.runtime.bench.offline import load_result
+    from ascq.runtime.bench.offline import save_result as save
 
     typer.echo(report)
     if save_result is not None:
@@ -423,8 +423,8 @@ def bench_serve(
     """Benchmark a running server like `vllm bench serve`: throughput and TTFT / TPOT / ITL / E2EL percentiles."""
     import os
 
-    from ascq.runtime.bench import parse_goodput
-    from ascq.runtime.bench_serve import BenchServeOptions, format_report, options_dict, run_bench_serve
+    from ascq.runtime.bench.offline import parse_goodput
+    from ascq.runtime.bench.serve import BenchServeOptions, format_report, options_dict, run_bench_serve
 
     options = BenchServeOptions(base_url=base_url, model=model, num_prompts=num_prompts, request_rate=request_rate,
                                 max_concurrency=max_concurrency, input_len=input_len, output_len=output_len,
@@ -435,7 +435,7 @@ def bench_serve(
 
 
 def _offline_bench(kind: str, **kwargs) -> None:
-    from ascq.runtime.bench import (
+    from ascq.runtime.bench.offline import (
         OfflineBenchOptions,
         bench_latency,
         bench_throughput,
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo("error: interrupted (Ctrl-C); any partial output was removed", err=True)
         sys.exit(INTERRUPTED)
     except BaseException as exc:
-        from ascq.zoo.manifest import Terminated
+        from ascq.formats.manifest import Terminated
 
         if not isinstance(exc, Terminated):
             raise

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.paths import EVAL_TEXT
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]

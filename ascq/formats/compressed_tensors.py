@@ -28,9 +28,9 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.utils.match import is_match, match_targets
 from torch import nn
 
-from ascq.errors import AscqError
+from ascq.core import qmath
+from ascq.core.errors import AscqError
 from ascq.formats import QuantizedLinear
-from ascq.quantize import qmath
 
 FORMAT = "compressed-tensors"
 PACKED = "pack-quantized"

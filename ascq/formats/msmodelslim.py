@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 from ascq.formats import QuantizedLinear
 
 FORMAT = "msmodelslim"

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ascq.errors import AscqError, UnsupportedError
+from ascq.core.errors import AscqError, UnsupportedError
 
 SCHEMES = ("dense", "w8a8_dynamic", "w8a8_static", "w4a16", "w8a16", "w4a8_dynamic")
 WEIGHT_BITS = {"w8a8_dynamic": 8, "w8a8_static": 8, "w4a16": 4, "w8a16": 8, "w4a8_dynamic": 4}

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.kernels import QuantLinearWeights, linear_over_rows, moe, native
 from ascq.kernels.cpu_attention import paged_attention
 from ascq.kernels.paged_sdpa import write_kv_cache

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ascq.atomic_file import atomic_output
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c", "gptq_columns.c",

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ascq.core.qmath import quantize_per_token, quantize_static_input
 from ascq.kernels import QuantLinearWeights
-from ascq.quantize.qmath import quantize_per_token, quantize_static_input
 
 ACTIVATION_SCHEMES = ("w8a8_dynamic", "w8a8_static", "w4a8_dynamic")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

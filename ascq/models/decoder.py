@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.kernels.reference import causal_attention
 from ascq.runtime.layers.rmsnorm import rms_norm
 from ascq.runtime.layers.rotary import RotaryEmbedding

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels.reference import select_experts
 from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, RMSNorm, rotary_for

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascq.errors import AscqError, UnsupportedError
+from ascq.core.errors import AscqError, UnsupportedError
 from ascq.models import LLAMA_FAMILY, MODEL_TYPES
 from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, KVHook, head_dim_of, rotary_for
 from ascq.runtime.models.llama import check_llama_config

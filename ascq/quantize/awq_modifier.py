@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascq.quantize import awq, qmath
+from ascq.core import qmath
+from ascq.quantize import awq
 from ascq.quantize.architectures import BalanceGroup
 from ascq.quantize.input_capture import replay
 from ascq.quantize.layer_context import LayerContext

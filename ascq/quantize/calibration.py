@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.paths import CALIB_TEXT, portable_name
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,18 @@ from typing import Any
 import compressed_tensors
 import torch
 
-from ascq.errors import AscqError, UnsupportedError
+from ascq.core.errors import AscqError, UnsupportedError
+from ascq.core.qmath import source_block_size, source_has_float_min
+from ascq.formats.manifest import (
+    MANIFEST_NAME,
+    check_output,
+    group_size_fit_text,
+    new_manifest,
+    read_manifest,
+    sigterm_raises,
+    staged_entry,
+    write_manifest,
+)
 from ascq.formats.safetensors import CheckpointReader
 from ascq.paths import DEFAULT_MAX_EVAL_TOKENS, EVAL_TEXT, portable_name, zoo_root
 from ascq.quantize.architectures import load_architecture
@@ -26,18 +37,7 @@ from ascq.quantize.pipeline import (
     check_calibration_dtype,
     stream_convert,
 )
-from ascq.quantize.qmath import source_block_size, source_has_float_min
 from ascq.quantize.recipe import ComposedRecipe, load_recipes
-from ascq.zoo.manifest import (
-    MANIFEST_NAME,
-    check_output,
-    group_size_fit_text,
-    new_manifest,
-    read_manifest,
-    sigterm_raises,
-    staged_entry,
-    write_manifest,
-)
 
 FORMATS = ("compressed-tensors", "msmodelslim")
 DEVICES = ("cpu", "cuda", "npu")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from ascq.quantize import qmath
+from ascq.core import qmath
 from ascq.quantize.gptq import CholeskyError, GPTQConfig, GramCache, HessianAccumulator, gptq_quantize
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ascq.core.qmath import keeps_source_grid
 from ascq.quantize.architectures import Architecture, BalanceGroup, KVHook, LayerBlock
 from ascq.quantize.input_capture import InputCapture
 from ascq.quantize.modifier import QuantizedLinear
-from ascq.quantize.qmath import keeps_source_grid
 from ascq.quantize.schemes import LinearTarget
 
 # hook(module, args, output), registered as a forward hook for one `run`

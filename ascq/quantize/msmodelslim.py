@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 from ascq.formats import msmodelslim as ms
 from ascq.models.decoder import head_dim_of
 from ascq.quantize.ct_writer import ShardWriter

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
+from ascq.formats.manifest import new_manifest, staged_entry, write_manifest
 from ascq.models.deepseek_moe import load_state_dict_files
-from ascq.zoo.manifest import new_manifest, staged_entry, write_manifest
 
 DEFAULT_K = 30.0
 DEFAULT_NUM_CHANNELS = 4

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ascq.quantize import qmath
+from ascq.core import qmath
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
 from ascq.quantize.schemes import RecipeError, RecipeScheme, parse_recipe_scheme

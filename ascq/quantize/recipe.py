@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.paths import shipped_recipes
 from ascq.quantize.modifier import Modifier
 from ascq.quantize.registry import modifier_classes

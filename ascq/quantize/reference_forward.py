@@ -18,12 +18,12 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ascq.errors import AscqError
+from ascq.core import qmath
+from ascq.core.errors import AscqError
 from ascq.formats import QuantizedLinear
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import cpu
-from ascq.quantize import qmath
 from ascq.quantize.architectures import KVHook, architecture_from_config
 from ascq.quantize.schemes import LinearTarget, RecipeScheme, resolve_target
 from ascq.runtime.layers.rmsnorm import rms_norm

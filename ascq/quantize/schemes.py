@@ -17,11 +17,11 @@ from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 from pydantic import ValidationError
 from torch import nn
 
-from ascq.errors import AscqError, UnsupportedError
+from ascq.core import qmath
+from ascq.core.errors import AscqError, UnsupportedError
+from ascq.core.qmath import block_aligned_group_size, float_zero_point
 from ascq.formats import compressed_tensors as ct
-from ascq.quantize import qmath
-from ascq.quantize.qmath import block_aligned_group_size, float_zero_point
-from ascq.zoo.manifest import group_size_fit_text
+from ascq.formats.manifest import group_size_fit_text
 
 DEFAULT_TARGETS = ["Linear"]
 # lm_head and embeddings stay full precision, as does the MoE router (its logits pick the experts).

@@ -13,8 +13,8 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from ascq.atomic_file import atomic_write
+from ascq.formats.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest, sha256_file
 from ascq.paths import RECIPES_DIR, zoo_root
-from ascq.zoo.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest, sha256_file
 
 CARD_NAME = "README.md"
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")

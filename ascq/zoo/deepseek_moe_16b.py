@@ -75,9 +75,9 @@ NUM_SEQS_OPTIONS = (1, 16)
 
 
 def per_rank_plan(config: dict[str, Any], recipes: list[str]) -> dict[str, Any]:
-    """Per layout and recipe: weights and KV cache of one rank (ascq/runtime/distributed/sizing.py; the splits are
+    """Per layout and recipe: weights and KV cache of one rank (ascq/zoo/sizing.py; the splits are
     even, so every rank of a layout holds the same bytes), for full-length sequences as the plan's serve_memory."""
-    from ascq.runtime.distributed.sizing import per_rank_memory
+    from ascq.zoo.sizing import per_rank_memory
 
     num_positions = config["max_position_embeddings"]
     layouts = {}

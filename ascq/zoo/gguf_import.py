@@ -18,9 +18,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
+from ascq.formats.manifest import new_manifest, sha256_file, staged_entry, write_manifest
 from ascq.paths import zoo_root
-from ascq.zoo.manifest import new_manifest, sha256_file, staged_entry, write_manifest
 
 EXTRA_MODULES = ("gguf", "accelerate")
 DTYPES = ("bfloat16", "float16", "float32")

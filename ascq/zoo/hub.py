@@ -18,10 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ascq.errors import AscqError
-from ascq.paths import zoo_root
-from ascq.zoo.card import CARD_NAME, HUB_REPO_ID, render_card, write_card
-from ascq.zoo.manifest import (
+from ascq.core.errors import AscqError
+from ascq.formats.manifest import (
     MANIFEST_NAME,
     read_manifest,
     resolve_entry,
@@ -29,6 +27,8 @@ from ascq.zoo.manifest import (
     staged_entry,
     verify_files,
 )
+from ascq.paths import zoo_root
+from ascq.zoo.card import CARD_NAME, HUB_REPO_ID, render_card, write_card
 from ascq.zoo.verify import verify_entry
 
 KEEP_REMOTE = (".gitattributes",)

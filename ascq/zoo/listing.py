@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ascq.formats.manifest import MANIFEST_NAME, read_manifest
 from ascq.paths import zoo_root
-from ascq.zoo.manifest import MANIFEST_NAME, read_manifest
 
 COLUMNS = ("name", "base model", "recipe", "format", "size", "ppl", "quality delta")
 

@@ -21,12 +21,10 @@ from typing import Any
 
 from compressed_tensors.quantization import QuantizationArgs
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
+from ascq.core.qmath import fitted_group_size, linear_group_size
 from ascq.formats import compressed_tensors as ct
-from ascq.models.decoder import head_dim_of
-from ascq.models.layout import Shape, checkpoint_tensors
-from ascq.quantize.qmath import fitted_group_size, linear_group_size
-from ascq.zoo.manifest import (
+from ascq.formats.manifest import (
     MANIFEST_NAME,
     list_entry_files,
     new_manifest,
@@ -34,6 +32,8 @@ from ascq.zoo.manifest import (
     staged_entry,
     write_manifest,
 )
+from ascq.models.decoder import head_dim_of
+from ascq.models.layout import Shape, checkpoint_tensors
 
 BF16_BYTES = 2
 EXCLUDED_LINEARS = ("lm_head", "mlp.gate")

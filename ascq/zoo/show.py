@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ascq.formats.manifest import read_manifest
 from ascq.zoo.listing import _human_size
-from ascq.zoo.manifest import read_manifest
 
 
 def format_entry(entry_dir: Path) -> str:

@@ -31,9 +31,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ascq.evaluate import encode_text, load_eval_token_ids, perplexity, unigram_perplexity
+from ascq.formats.manifest import new_manifest, read_manifest, staged_entry, write_manifest
 from ascq.models.deepseek_moe import DeepseekConfig, DeepseekForCausalLM, load_deepseek
 from ascq.zoo import fixture_corpus as corpus
-from ascq.zoo.manifest import new_manifest, read_manifest, staged_entry, write_manifest
 
 SEED, SEQ_LEN = 0, 256
 LLAMA_CONFIG = dict(

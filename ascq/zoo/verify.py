@@ -10,11 +10,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.formats import compressed_tensors as ct
 from ascq.formats import msmodelslim as ms
+from ascq.formats.manifest import read_manifest, verify_files
 from ascq.formats.safetensors import CheckpointReader
-from ascq.zoo.manifest import read_manifest, verify_files
 from ascq.zoo.planned import require_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 from ascq.kernels.npu.runtime import device, torch_npu
 
 MASK_SIZE = 2048

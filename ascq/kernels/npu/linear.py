@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 from ascq.formats.msmodelslim import static_dequant_params
 from ascq.kernels import QuantLinearWeights
 from ascq.kernels.npu.runtime import ACL_FORMAT_FRACTAL_NZ, check_compute_dtype, to_device, torch_npu

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 from ascq.kernels import QuantLinearWeights
 from ascq.kernels.npu.runtime import check_compute_dtype, to_device, torch_npu
 

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 
 ACL_FORMAT_FRACTAL_NZ = 29
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16)

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ascq.kernels import cpu, native
+from ascq.runtime.distributed.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
 from ascq.runtime.layers.loadable import assign_parameter
-from ascq.runtime.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
 
 
 class VocabParallelEmbedding(nn.Module):

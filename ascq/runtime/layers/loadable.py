@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 
 
 def assign_parameter(module: nn.Module, name: str, tensor: torch.Tensor) -> None:

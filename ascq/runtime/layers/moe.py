@@ -15,9 +15,16 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
+from ascq.runtime.distributed.parallel import (
+    all_reduce,
+    divide,
+    expert_parallel,
+    shard_tensor,
+    tp_rank,
+    tp_world_size,
+)
 from ascq.runtime.layers.linear import build_quant_weights
-from ascq.runtime.parallel import all_reduce, divide, expert_parallel, shard_tensor, tp_rank, tp_world_size
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

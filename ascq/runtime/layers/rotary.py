@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 

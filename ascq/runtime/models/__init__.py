@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 from ascq.models import LLAMA_FAMILY, MODEL_TYPES
 
 # `architectures` class name -> runtime model family (llama or deepseek), from the one model-type table

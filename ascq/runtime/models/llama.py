@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 from ascq.models.decoder import head_dim_of
+from ascq.runtime.distributed.parallel import divide, kv_heads_per_rank, tp_world_size
 from ascq.runtime.layers.attention import Attention, AttentionMetadata
 from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ascq.runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ascq.runtime.layers.rmsnorm import RMSNorm
 from ascq.runtime.layers.rotary import RotaryEmbedding
 from ascq.runtime.models.weights import load_named_weights
-from ascq.runtime.parallel import divide, kv_heads_per_rank, tp_world_size
 
 
 class LlamaAttention(nn.Module):

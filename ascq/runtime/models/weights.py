@@ -9,7 +9,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.runtime.layers.attention import Attention
 from ascq.runtime.layers.linear import LinearBase
 from ascq.runtime.layers.loadable import cast_parameters

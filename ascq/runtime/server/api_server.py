@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import ascq
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.runtime.server.async_engine import ENGINE_DEAD_MESSAGE, AsyncEngine
 from ascq.runtime.server.chat_template import ChatPrompter
 from ascq.runtime.server.listen import bind_socket
@@ -312,7 +312,7 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
     before the model loads."""
     from transformers import AutoTokenizer
 
-    from ascq.runtime.engine_core import EngineCoreProcess
+    from ascq.runtime.engine.engine_core import EngineCoreProcess
     from ascq.runtime.server.chat_template import load_chat_template
     from ascq.runtime.server.metrics import ServerMetrics
 

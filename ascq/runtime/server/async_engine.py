@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ascq.runtime.engine_core import EngineCoreProcess
-from ascq.runtime.output_processor import OutputProcessor
+from ascq.runtime.engine.engine_core import EngineCoreProcess
+from ascq.runtime.engine.output_processor import OutputProcessor
 from ascq.runtime.server.metrics import ServerMetrics
 from ascq.runtime.server.protocol import APIError
 

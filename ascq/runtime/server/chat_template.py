@@ -10,7 +10,7 @@ from typing import Any
 
 import jinja2
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.runtime.server.protocol import APIError
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 
 
 def free_port() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -14,8 +14,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ascq.errors import AscqError
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.core.errors import AscqError
+from ascq.runtime.sampling.sampling_params import SamplingParams
+from ascq.runtime.sampling.structured_output import StructuredOutputsParams, require_xgrammar
 from ascq.runtime.server.async_engine import AsyncEngine, RequestGroup
 from ascq.runtime.server.chat_template import ChatPrompter
 from ascq.runtime.server.logprobs import LogprobFormatter
@@ -45,7 +46,6 @@ from ascq.runtime.server.tool_calls import (
     template_renders_tools,
     tool_mode,
 )
-from ascq.runtime.structured_output import StructuredOutputsParams, require_xgrammar
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

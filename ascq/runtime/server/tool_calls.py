@@ -20,6 +20,7 @@ import re
 import uuid
 from typing import Any
 
+from ascq.runtime.sampling.structured_output import StructuredOutputsParams
 from ascq.runtime.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -27,7 +28,6 @@ from ascq.runtime.server.protocol import (
     NamedToolChoice,
     ToolCall,
 )
-from ascq.runtime.structured_output import StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes",)
 HERMES_SYSTEM_PROMPT = (

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ascq.errors import AscqError, UnsupportedError
+from ascq.core.errors import AscqError, UnsupportedError
 
 METHODS = ("ngram", "draft_model")
 NOT_SUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp", "suffix")
@@ -70,7 +70,7 @@ class SpeculativeConfig:
             raise UnsupportedError(
                 "speculative_config quantization is not supported; use a quantized zoo entry as the draft model"
             )
-        from ascq.zoo.manifest import resolve_entry
+        from ascq.formats.manifest import resolve_entry
 
         self.model = resolve_entry(str(self.model))
 

@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.kernels import torch_device as backend_torch_device
-from ascq.runtime.block_manager import BlockManager
-from ascq.runtime.kv_cache import allocate_kv_cache
-from ascq.runtime.loader import load_model, read_config
-from ascq.runtime.model_runner import ModelRunner
-from ascq.runtime.request import Request
-from ascq.runtime.sampler import sampling_probs
-from ascq.runtime.scheduler import SchedulerOutput
+from ascq.runtime.sched.block_manager import BlockManager
+from ascq.runtime.sched.request import Request
+from ascq.runtime.sched.scheduler import SchedulerOutput
+from ascq.runtime.worker.kv_cache import allocate_kv_cache
+from ascq.runtime.worker.loader import load_model, read_config
+from ascq.runtime.worker.model_runner import ModelRunner
+from ascq.runtime.worker.sampler import sampling_probs
 
 
 class DraftSequence:
@@ -64,7 +64,7 @@ def check_same_vocabulary(draft_dir: Path, draft_config: dict[str, Any], target_
     has_tokenizer = any((draft_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
     if not has_tokenizer or not hasattr(target_tokenizer, "get_vocab"):
         return
-    from ascq.runtime.engine import load_tokenizer
+    from ascq.runtime.engine.llm_engine import load_tokenizer
 
     draft_tokens = load_tokenizer(draft_dir).get_vocab()
     target_tokens = target_tokenizer.get_vocab()

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ascq.runtime.request import Request
-from ascq.runtime.sampler import Sampler, SampleResult, sampling_probs, token_logprobs
+from ascq.runtime.sched.request import Request
+from ascq.runtime.worker.sampler import Sampler, SampleResult, sampling_probs, token_logprobs
 
 
 class DraftRow:

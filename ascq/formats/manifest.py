@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.paths import zoo_root
 
 log = logging.getLogger(__name__)

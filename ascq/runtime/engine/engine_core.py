@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ascq.runtime.outputs import RequestOutput
+from ascq.runtime.engine.outputs import RequestOutput
 
 logger = logging.getLogger("ascq.engine_core")
 IDLE_POLL_S = 0.5
@@ -81,12 +81,12 @@ def run_engine_core(engine_args: Any, conn: Connection, parent_pid: int,
                     describe: Callable[[Any], dict[str, Any]] | None = None) -> None:
     """Process entry point: build the engine, report ready with `describe(engine)` (or the one-line reason it
     could not: `describe` may raise AscqError too), serve."""
-    from ascq.errors import AscqError
+    from ascq.core.errors import AscqError
     from ascq.runtime.distributed.process_watch import exit_with_parent
 
     exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server drains, then stops us
-    from ascq.runtime.engine import LLMEngine
+    from ascq.runtime.engine.llm_engine import LLMEngine
 
     engine = None
     try:
@@ -168,7 +168,7 @@ class EngineCoreProcess:
                  startup_timeout_s: float = 600.0) -> None:
         import os
 
-        from ascq.errors import AscqError
+        from ascq.core.errors import AscqError
 
         context = multiprocessing.get_context("spawn")
         self.conn, child_conn = context.Pipe(duplex=True)

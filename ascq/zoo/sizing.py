@@ -1,7 +1,7 @@
 """Per-rank memory of a Llama / DeepSeek-MoE model under tensor / expert / pipeline parallelism.
 
 Weights: every checkpoint tensor (`ascq.zoo.planned.checkpoint_tensors`) cut as the runtime cuts it
-(ascq/runtime/parallel.py): embedding and LM head split over the vocabulary; q/k/v, gate/up column-parallel
+(ascq/runtime/distributed/parallel.py): embedding and LM head split over the vocabulary; q/k/v, gate/up column-parallel
 (KV heads split, or one per rank when TP > KV heads); o/down row-parallel; routed experts either whole (expert
 parallel: E/TP per rank) or each one sharded like an MLP; the router and norms replicated. A quantized shard is
 counted as compressed-tensors stores it (`WeightScheme.linear_bytes`, the recipe's scheme), with the group size a
@@ -18,8 +18,8 @@ import re
 from typing import Any
 
 from ascq.models.decoder import head_dim_of
-from ascq.runtime.distributed.pipeline import stage_layers
-from ascq.runtime.parallel import divide, kv_heads_per_rank
+from ascq.runtime.distributed.parallel import divide, kv_heads_per_rank
+from ascq.runtime.executor.pipeline import stage_layers
 from ascq.zoo.planned import (
     BF16_BYTES,
     EXCLUDED_LINEARS,

@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.runtime.sampling.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ascq.runtime.request import Request
-from ascq.runtime.sampling_params import SamplingParams
-from ascq.runtime.structured_output import apply_token_bitmask
+from ascq.runtime.sampling.sampling_params import SamplingParams
+from ascq.runtime.sampling.structured_output import apply_token_bitmask
+from ascq.runtime.sched.request import Request
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 
 MAX_CACHED_GRAMMARS = 256
 

@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ascq.runtime.distributed.parallel import ParallelState
 from ascq.runtime.layers.attention import AttentionMetadata
-from ascq.runtime.parallel import ParallelState
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     """Contiguous, as even as possible; earlier stages take the remainder."""
     if num_layers < pp_size:
-        from ascq.errors import AscqError
+        from ascq.core.errors import AscqError
 
         raise AscqError(f"{num_layers} layers cannot be split into {pp_size} pipeline stages")
     base, extra = divmod(num_layers, pp_size)

@@ -9,19 +9,24 @@ from typing import Any
 
 import torch
 
-from ascq.errors import AscqError
-from ascq.runtime.block_manager import BlockManager
-from ascq.runtime.detokenizer import OutputText, stop_token_reason
-from ascq.runtime.engine_args import EngineArgs
-from ascq.runtime.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_torch_dtype, num_blocks_for
-from ascq.runtime.loader import load_model, read_config
-from ascq.runtime.model_runner import ModelRunner
-from ascq.runtime.outputs import CompletionOutput, RequestOutput
-from ascq.runtime.request import Request
-from ascq.runtime.sampler import Sampler
-from ascq.runtime.sampling_params import SamplingParams
-from ascq.runtime.scheduler import Scheduler
-from ascq.runtime.structured_output import StructuredOutputManager
+from ascq.core.errors import AscqError
+from ascq.runtime.engine.detokenizer import OutputText, stop_token_reason
+from ascq.runtime.engine.engine_args import EngineArgs
+from ascq.runtime.engine.outputs import CompletionOutput, RequestOutput
+from ascq.runtime.sampling.sampling_params import SamplingParams
+from ascq.runtime.sampling.structured_output import StructuredOutputManager
+from ascq.runtime.sched.block_manager import BlockManager
+from ascq.runtime.sched.request import Request
+from ascq.runtime.sched.scheduler import Scheduler
+from ascq.runtime.worker.kv_cache import (
+    allocate_kv_cache,
+    bytes_per_block,
+    kv_cache_torch_dtype,
+    num_blocks_for,
+)
+from ascq.runtime.worker.loader import load_model, read_config
+from ascq.runtime.worker.model_runner import ModelRunner
+from ascq.runtime.worker.sampler import Sampler
 
 
 def load_tokenizer(path: Any) -> Any:
@@ -92,7 +97,7 @@ class LLMEngine:
 
     def _init_distributed(self, args: EngineArgs, config: dict[str, Any]) -> int:
         """Start the other ranks and load this rank's shard; KV blocks sized by the largest per-rank block."""
-        from ascq.runtime.distributed.executor import DistributedModelRunner, MultiprocExecutor
+        from ascq.runtime.executor.executor import DistributedModelRunner, MultiprocExecutor
 
         free_before_load = args.available_memory()
 

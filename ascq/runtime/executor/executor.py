@@ -23,16 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ascq.errors import AscqError
-from ascq.runtime.distributed.pipeline import prune_for_stage, run_pipeline, split_requests
+from ascq.core.errors import AscqError
+from ascq.runtime.distributed.parallel import ParallelState, destroy_parallel, init_parallel
 from ascq.runtime.distributed.process_watch import exit_with_parent
 from ascq.runtime.distributed.rendezvous import torchrun_rank
-from ascq.runtime.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_torch_dtype
+from ascq.runtime.executor.pipeline import prune_for_stage, run_pipeline, split_requests
 from ascq.runtime.layers.attention import AttentionMetadata
-from ascq.runtime.loader import load_model
-from ascq.runtime.model_runner import ModelRunner
-from ascq.runtime.parallel import ParallelState, destroy_parallel, init_parallel
-from ascq.runtime.scheduler import SchedulerOutput
+from ascq.runtime.sched.scheduler import SchedulerOutput
+from ascq.runtime.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_torch_dtype
+from ascq.runtime.worker.loader import load_model
+from ascq.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("ascq.distributed")
 WORKER_JOIN_S = 5.0
@@ -164,7 +164,7 @@ def run_worker(args: Any, config: dict[str, Any], dtype: torch.dtype, info: Rank
 def run_node(args: Any) -> None:
     """A node other than node 0 (`--node-rank R`) or a torchrun rank other than 0: run this node's ranks until
     rank 0 stops them."""
-    from ascq.runtime.loader import read_config
+    from ascq.runtime.worker.loader import read_config
 
     config = read_config(args.model)
     dtype = args.resolve_dtype(config)

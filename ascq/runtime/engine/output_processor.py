@@ -2,7 +2,7 @@
 cumulative `RequestOutput`s with text.
 
 The engine core ships token ids only; detokenisation, stop strings and the hold-back of a partial stop string
-happen here, with the same rules the in-process engine applies (ascq/runtime/detokenizer.py). A stop string
+happen here, with the same rules the in-process engine applies (ascq/runtime/engine/detokenizer.py). A stop string
 found here finishes the sequence at once (later tokens the core already made are dropped) and is reported back,
 so the core stops generating it.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ascq.runtime.detokenizer import OutputText, stop_token_reason
-from ascq.runtime.engine_core import OutputDelta
-from ascq.runtime.outputs import CompletionOutput, RequestOutput
+from ascq.runtime.engine.detokenizer import OutputText, stop_token_reason
+from ascq.runtime.engine.engine_core import OutputDelta
+from ascq.runtime.engine.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass

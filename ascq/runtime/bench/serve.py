@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 
 TOKEN_ID_RANGE = (100, 4000)
 

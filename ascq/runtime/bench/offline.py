@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ascq.errors import AscqError
-from ascq.runtime.bench_serve import RequestResult, percentile, random_prompts, summarize
+from ascq.core.errors import AscqError
+from ascq.runtime.bench.serve import RequestResult, percentile, random_prompts, summarize
 
 
 @dataclass
@@ -213,7 +213,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
 
 
 def format_offline_report(kind: str, metrics: dict[str, float], options: OfflineBenchOptions) -> str:
-    from ascq.runtime.bench_serve import format_metrics
+    from ascq.runtime.bench.serve import format_metrics
 
     header = (f"ascq bench {kind}: {options.model}, {options.num_prompts if kind == 'throughput' else options.batch_size}"
               f" prompts x {options.input_len} in / {options.output_len} out, {torch.get_num_threads()} threads")

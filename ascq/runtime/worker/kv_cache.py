@@ -9,7 +9,7 @@ import logging
 import torch
 from torch import nn
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.runtime.layers.attention import Attention
 
 logger = logging.getLogger("ascq.runtime")

@@ -9,14 +9,14 @@ import time
 import torch
 from torch import nn
 
-from ascq.errors import UnsupportedError
-from ascq.runtime import decode_graphs, device_graphs, fused_decode
-from ascq.runtime.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs
-from ascq.runtime.device_graphs import DeviceGraphs
+from ascq.core.errors import UnsupportedError
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.layers.embedding import LM_HEAD_QUANT_ENV, ParallelLMHead
-from ascq.runtime.request import Request
-from ascq.runtime.scheduler import SchedulerOutput
+from ascq.runtime.sched.request import Request
+from ascq.runtime.sched.scheduler import SchedulerOutput
+from ascq.runtime.worker import decode_graphs, device_graphs, fused_decode
+from ascq.runtime.worker.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs
+from ascq.runtime.worker.device_graphs import DeviceGraphs
 
 logger = logging.getLogger(__name__)
 DEBUG_STEP_DELAY_ENV = "ASCQ_DEBUG_STEP_DELAY_MS"

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascq.runtime.decode_graphs import capture_sizes, dummy_decode_inputs
 from ascq.runtime.layers.attention import Attention, AttentionMetadata
 from ascq.runtime.layers.moe import FusedMoE
 from ascq.runtime.models.llama import DecoderLayer, DecoderModel
+from ascq.runtime.worker.decode_graphs import capture_sizes, dummy_decode_inputs
 
 logger = logging.getLogger("ascq.runtime")
 

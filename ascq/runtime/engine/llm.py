@@ -6,10 +6,10 @@ import difflib
 from dataclasses import fields
 from typing import Any
 
-from ascq.runtime.engine import LLMEngine
-from ascq.runtime.engine_args import EngineArgs
-from ascq.runtime.outputs import RequestOutput
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.runtime.engine.engine_args import EngineArgs
+from ascq.runtime.engine.llm_engine import LLMEngine
+from ascq.runtime.engine.outputs import RequestOutput
+from ascq.runtime.sampling.sampling_params import SamplingParams
 
 # vLLM's prompt shapes: a string, a token id list, TextPrompt {"prompt": str}, TokensPrompt {"prompt_token_ids": [...]}
 PromptType = str | list[int] | dict[str, Any]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ascq.runtime.structured_output import StructuredOutputsParams
+from ascq.runtime.sampling.structured_output import StructuredOutputsParams
 
 # fn(output_token_ids, logits [vocab]) -> logits, or fn(prompt_token_ids, output_token_ids, logits) -> logits,
 # applied per request before everything else (vLLM v0's plug-in point)

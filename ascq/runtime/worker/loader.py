@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ascq.errors import AscqError, UnsupportedError
+from ascq.core.errors import AscqError, UnsupportedError
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import get_backend

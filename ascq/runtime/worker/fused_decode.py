@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 from ascq.kernels import cpu, native
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.layers.linear import LinearBase

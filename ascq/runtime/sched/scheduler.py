@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ascq.runtime.block_manager import BlockManager
-from ascq.runtime.request import Request, RequestStatus
+from ascq.runtime.sched.block_manager import BlockManager
+from ascq.runtime.sched.request import Request, RequestStatus
 
 
 @dataclass

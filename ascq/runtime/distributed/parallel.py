@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 
 BACKEND_FOR_DEVICE = {"cpu": "gloo", "reference": "gloo", "cuda": "nccl", "npu": "hccl"}
 INIT_TIMEOUT = timedelta(minutes=10)

@@ -17,7 +17,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ascq.runtime.request import Request
+from ascq.runtime.sched.request import Request
 
 ROOT_KEY = hashlib.sha256(b"ascq prefix cache v1").digest()
 

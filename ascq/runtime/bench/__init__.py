@@ -1,0 +1,1 @@
+"""Offline and serving benchmarks (vllm bench latency|throughput|serve)."""

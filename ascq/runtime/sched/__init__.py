@@ -1,0 +1,1 @@
+"""Scheduling: requests, the KV block manager with prefix caching, and the vLLM-v1-style scheduler."""
