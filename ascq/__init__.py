@@ -2,7 +2,7 @@
 
 from typing import Any
 
-__version__ = "0.1.0"
+from ascq.core.version import __version__ as __version__
 
 _LAZY = {"LLM": "ascq.runtime.engine.llm", "SamplingParams": "ascq.runtime.sampling.sampling_params"}
 

@@ -181,9 +181,9 @@ def driver(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ascq.evaluate import load_eval_token_ids, perplexity
+    from ascq.formats.manifest import read_manifest
     from ascq.quantize.calibration import load_calibration
     from ascq.quantize.reference_forward import reference_logits
-    from ascq.zoo.manifest import read_manifest
 
     fixture = Path(args.fixture)
     work = Path(args.work)

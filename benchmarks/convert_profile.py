@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ascq.quantize import awq, convert, gptq, gptq_modifier, layer_context, pipeline, qmath, smoothquant
+from ascq.core import qmath
+from ascq.quantize import awq, convert, gptq, gptq_modifier, layer_context, pipeline, smoothquant
 from ascq.quantize.architectures import Architecture
 from ascq.quantize.awq_modifier import AWQModifier
 from ascq.quantize.quantization_modifier import QuantizationModifier

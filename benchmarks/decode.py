@@ -16,10 +16,10 @@ import time
 import torch
 
 from ascq.kernels import WEIGHT_BITS, get_backend
-from ascq.runtime.kv_cache import allocate_kv_cache
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.models.llama import LlamaForCausalLM
 from ascq.runtime.models.weights import finalize_model
+from ascq.runtime.worker.kv_cache import allocate_kv_cache
 
 CONFIG = {  # TinyLlama-1.1B
     "model_type": "llama",

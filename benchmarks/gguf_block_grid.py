@@ -3,7 +3,7 @@
 SmolLM2's zoo entry holds the GGUF's Q4_1 values dequantized: every 32-column block is `d·k + m`, k in 0..15, with
 its own float scale d and float min m. This scores (transformers, fp32, the first `--windows` windows of 512 tokens
 of GPL-3) the model with every linear but lm_head fake-quantized in place by:
-  rtnG   ascq's int4 asymmetric min-max round-to-nearest (`qmath.fake_quantize_weight`, integer zero point), group G;
+  rtnG   ascq's int4 asymmetric min-max round-to-nearest (`observer.fake_quantize_weight`, integer zero point), group G;
   fzpG   the same with a float zero point (min + scale·q, the Q4_1 form), group G;
   mseG   integer zero point, (scale, zero point) searched per group for the smallest weight MSE.
 
@@ -18,7 +18,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 
 from ascq.evaluate import load_eval_token_ids, perplexity
-from ascq.quantize import qmath
+from ascq.quantize import observer
 
 EVAL_TEXT = "/usr/share/common-licenses/GPL-3"
 
@@ -52,7 +52,7 @@ def variant(name: str):
     kind, group = name[:3], int(name[3:])
     if kind == "rtn":
         args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=group)
-        return lambda w: qmath.fake_quantize_weight(w, args)
+        return lambda w: observer.fake_quantize_weight(w, args)
     search = {"fzp": float_zero_point, "mse": mse_integer_zero_point}[kind]
     return lambda w: search(w, group)
 

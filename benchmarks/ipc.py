@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 
-from ascq.runtime.engine_core import CompletionDelta, OutputDelta
+from ascq.runtime.engine.engine_core import CompletionDelta, OutputDelta
 
 
 def step_message(num_requests: int) -> tuple:

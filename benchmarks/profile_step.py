@@ -24,11 +24,11 @@ from contextlib import contextmanager
 import torch
 
 from ascq import LLM, SamplingParams
+from ascq.core.rotary import RotaryEmbedding
 from ascq.runtime.layers.attention import Attention
 from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ascq.runtime.layers.linear import LinearBase
 from ascq.runtime.layers.rmsnorm import RMSNorm
-from ascq.runtime.layers.rotary import RotaryEmbedding
 
 LEAF_LAYERS = {LinearBase: "linears", RMSNorm: "norms (+residual add)", RotaryEmbedding: "rotary",
                VocabParallelEmbedding: "embedding"}

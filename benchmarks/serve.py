@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ascq.errors import AscqError
-from ascq.runtime.bench_serve import BenchServeOptions, format_report, random_prompts, run_bench_serve
+from ascq.core.errors import AscqError
+from ascq.runtime.bench.serve import BenchServeOptions, format_report, random_prompts, run_bench_serve
 from ascq.runtime.server.launcher import launch_server, stop_server
 
 

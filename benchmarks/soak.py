@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.runtime.server.launcher import idle_metrics, launch_server, stop_server
 
 API_KEY = "soak-key"

@@ -137,7 +137,7 @@ def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True, lm_head_int8: boo
     """`fused` False: the eager per-layer decode path (runtime/fused_decode.py off), for before/after in one run;
     `lm_head_int8`: the opt-in int8 LM head (ASCQ_LM_HEAD_QUANT=int8; other logits than the checkpoint's)."""
     from ascq import LLM
-    from ascq.runtime import fused_decode
+    from ascq.runtime.worker import fused_decode
 
     path, _, dtype = spec.partition(":")
     llm = LLM(path, dtype=dtype or "auto", max_num_seqs=max_num_seqs, kv_cache_memory=1 << 30)
@@ -149,7 +149,7 @@ def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True, lm_head_int8: boo
 
 
 def ascq_decode_tps(llm, prompt: list[int], n: int) -> float:
-    from ascq.runtime.bench import run_requests
+    from ascq.runtime.bench.offline import run_requests
 
     settle()
     (result,), _ = run_requests(llm.engine, [prompt], n)

@@ -3,9 +3,9 @@ requests to completion, and the no-leaked-block check."""
 
 from __future__ import annotations
 
-from ascq.runtime.engine import LLMEngine
-from ascq.runtime.engine_args import EngineArgs
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.runtime.engine.engine_args import EngineArgs
+from ascq.runtime.engine.llm_engine import LLMEngine
+from ascq.runtime.sampling.sampling_params import SamplingParams
 
 KV_MEMORY = 32 << 20
 

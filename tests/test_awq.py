@@ -9,6 +9,7 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from torch import nn
 
+from ascq.core.norm import rms_norm
 from ascq.quantize.awq import (
     AWQSearchConfig,
     activation_mean,
@@ -20,7 +21,6 @@ from ascq.quantize.awq import (
     search_scales,
     weight_mean,
 )
-from ascq.runtime.layers.rmsnorm import rms_norm
 
 W4_G32 = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)
 
@@ -222,7 +222,7 @@ def test_awq_modifier_scaling_keeps_the_moe_layer_function_and_routing():
 
 
 def _output_error(ctx, modifier) -> float:
-    from ascq.quantize import qmath
+    from ascq.core import qmath
 
     reference = ctx.run()
     modifier.process_layer(ctx)

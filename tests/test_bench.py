@@ -10,8 +10,8 @@ import pytest
 
 from ascq.cli import main
 from ascq.paths import PROJECT_DIR
-from ascq.runtime.bench import compare, load_result, parse_goodput
-from ascq.runtime.model_runner import DEBUG_STEP_DELAY_ENV
+from ascq.runtime.bench.offline import compare, load_result, parse_goodput
+from ascq.runtime.worker.model_runner import DEBUG_STEP_DELAY_ENV
 
 BASELINES = PROJECT_DIR / "benchmarks" / "baselines"
 WORKLOAD = ["--num-prompts", "8", "--input-len", "24", "--output-len", "12"]

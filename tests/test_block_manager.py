@@ -7,10 +7,10 @@ from array import array
 
 import pytest
 
-from ascq.runtime import block_manager
-from ascq.runtime.block_manager import BlockManager
-from ascq.runtime.request import Request
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.runtime.sampling.sampling_params import SamplingParams
+from ascq.runtime.sched import block_manager
+from ascq.runtime.sched.block_manager import BlockManager
+from ascq.runtime.sched.request import Request
 
 
 def req(tokens: list[int], rid: str = "r") -> Request:
@@ -96,7 +96,7 @@ def test_prefix_caching_off_never_hits():
 
 
 def test_block_keys_are_sha256_chained_over_parent_and_tokens():
-    from ascq.runtime.block_manager import ROOT_KEY, block_key
+    from ascq.runtime.sched.block_manager import ROOT_KEY, block_key
 
     bm = BlockManager(num_blocks=8, block_size=2)
     r = req([1, 2, 3, 4, 5])

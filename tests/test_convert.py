@@ -10,8 +10,8 @@ from safetensors import safe_open
 from transformers_check import assert_transformers_matches_reference
 
 from ascq.evaluate import eval_windows, load_eval_token_ids, perplexity
+from ascq.formats.manifest import read_manifest, verify_files
 from ascq.quantize.reference_forward import reference_logits
-from ascq.zoo.manifest import read_manifest, verify_files
 from ascq.zoo.verify import verify_entry
 
 RECIPES = [("w8a8",), ("w8a8-static",), ("w4a16-rtn",), ("w8a16",), ("w8a8", "fp8-kv")]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.paths import CALIB_TEXT
 from ascq.quantize.calibration import load_calibration, load_texts, pack_tokens
 
@@ -83,7 +83,7 @@ def test_bad_sources(tmp_path, monkeypatch):
 
 def test_no_eval_skips_the_perplexity_and_rejects_an_eval_text(tiny_llama_dir, tmp_path, capsys) -> None:
     from ascq.cli import main
-    from ascq.zoo.manifest import read_manifest
+    from ascq.formats.manifest import read_manifest
 
     fast = ["--num-samples", "2", "--seq-len", "32"]
     with pytest.raises(SystemExit) as exc:

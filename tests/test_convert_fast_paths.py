@@ -8,8 +8,9 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from torch import nn
 
+from ascq.core import qmath
 from ascq.formats.safetensors import CheckpointReader
-from ascq.quantize import awq, qmath
+from ascq.quantize import awq, observer
 from ascq.quantize.architectures import load_architecture
 from ascq.quantize.gptq import GramCache, HessianAccumulator
 from ascq.quantize.input_capture import InputCapture
@@ -22,7 +23,7 @@ W8_TOKEN = QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=
 
 
 def fake_quantize(w: torch.Tensor) -> torch.Tensor:
-    return qmath.fake_quantize_weight(w, W4_G32)
+    return observer.fake_quantize_weight(w, W4_G32)
 
 
 def tiny_layer(tiny_llama_dir, index: int = 0) -> tuple:
@@ -217,7 +218,7 @@ def test_integer_gemm_propagation_matches_the_fake_quantized_fp32_forward(tiny_l
         for name, module in layer.named_modules():
             if isinstance(module, nn.Linear):
                 target = LinearTarget(weights, activations, None)
-                q, scale, _ = qmath.quantize_weight(module.weight, weights, torch.bfloat16)
+                q, scale, _ = observer.quantize_weight(module.weight, weights, torch.bfloat16)
                 input_scale = torch.tensor([0.05], dtype=torch.bfloat16) if static else None
                 quantized[name] = (target, QuantizedLinear(q, scale, None, input_scale))
                 assert integer_gemm_applies(target, module) == fast
@@ -311,7 +312,7 @@ def test_bf16_products_layer_matches_fp32_to_bf16_rounding(tiny_llama_dir, monke
 
 
 def test_calibration_dtype_auto_is_bf16_only_for_recipes_measured_with_it(monkeypatch):
-    from ascq.errors import AscqError
+    from ascq.core.errors import AscqError
     from ascq.kernels import cpu
     from ascq.quantize import pipeline
     from ascq.quantize.recipe import load_recipes

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from ascq.cli import main
+from ascq.formats.manifest import Terminated, read_manifest, sigterm_raises, verify_files
 from ascq.quantize.convert import ConvertOptions, convert, default_output
 from ascq.quantize.synthetic import write_synthetic_checkpoint
-from ascq.zoo.manifest import Terminated, read_manifest, sigterm_raises, verify_files
 
 LLAMA = dict(
     model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64, intermediate_size=128,

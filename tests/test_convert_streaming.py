@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from ascq.cli import main
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
+from ascq.formats.manifest import read_manifest, verify_files
 from ascq.quantize.convert import ConvertOptions, convert
 from ascq.quantize.reference_forward import reference_logits
 from ascq.quantize.synthetic import write_synthetic_checkpoint
-from ascq.zoo.manifest import read_manifest, verify_files
 
 LLAMA = dict(
     model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=128, intermediate_size=200,

@@ -1,4 +1,4 @@
-"""Decode graphs (`enforce_eager=False`, ascq/runtime/decode_graphs.py): greedy tokens identical to eager, for dense
+"""Decode graphs (`enforce_eager=False`, ascq/runtime/worker/decode_graphs.py): greedy tokens identical to eager, for dense
 fp32 fixtures, the MoE fixture, quantized checkpoints and SmolLM2 (slow); `enforce_eager=True` compiles nothing."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 import torch._dynamo.utils
 
 from ascq import LLM, SamplingParams
-from ascq.runtime.decode_graphs import capture_sizes
 from ascq.runtime.models.llama import DecoderLayer
+from ascq.runtime.worker.decode_graphs import capture_sizes
 
 SMOLLM2 = Path("/work/main/zoo/smollm2-135m-instruct")
 PROMPTS = [[5 + (7 * i + j) % 200 for j in range(3 + 9 * i)] for i in range(4)]  # 3..30 tokens: batches 1-4

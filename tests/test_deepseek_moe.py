@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.models.deepseek_moe import DeepseekConfig, DeepseekForCausalLM, DeepseekMoE, load_deepseek
 
 TINY = dict(

@@ -1,4 +1,4 @@
-"""Device graphs (`enforce_eager=False` on cuda / npu, ascq/runtime/device_graphs.py) on the CPU torch_npu EMULATOR
+"""Device graphs (`enforce_eager=False` on cuda / npu, ascq/runtime/worker/device_graphs.py) on the CPU torch_npu EMULATOR
 with its emulated ACL graph API (tests/npu_emulation/graphs.py) installed as `torch.npu`: greedy tokens equal
 eager's for tiny-llama and tiny-deepseek-moe over batch sizes that replay exactly, replay padded and run eagerly past
 the largest capture size, and the graphs were really replayed; plus the emulated graph API itself (host reads
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from npu_emulation import graphs as emulated_graphs
 
 from ascq import LLM, SamplingParams
-from ascq.runtime import device_graphs
 from ascq.runtime.layers.attention import Attention
+from ascq.runtime.worker import device_graphs
 
 PROMPTS = [[5 + (7 * i + j) % 200 for j in range(3 + 5 * i)] for i in range(6)]
 MAX_TOKENS = [12, 10, 8, 6, 4, 2]  # the decode batch shrinks 6, 5, 4, 3, 2, 1 as requests finish

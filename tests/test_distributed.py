@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from ascq import LLM, SamplingParams
-from ascq.quantize.qmath import dequantize
-from ascq.runtime import parallel
-from ascq.runtime.distributed.pipeline import split_requests, stage_layers
+from ascq.core.architecture import stage_layers
+from ascq.core.qmath import dequantize
+from ascq.runtime.distributed import parallel
+from ascq.runtime.executor.pipeline import split_requests
 
 KV_MEMORY = 32 << 20
 
@@ -223,7 +224,7 @@ SMOLLM2 = Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m-instruct" 
 def test_tp3_smollm2_32x32() -> None:
     """SmolLM2-135M has 9 attention heads and 3 KV heads: TP=2 cannot split them (vLLM refuses it too, and so does
     ascq, in one line before any rank starts); TP=3 is the smallest layout that runs, one KV head per rank."""
-    from ascq.errors import AscqError
+    from ascq.core.errors import AscqError
 
     assert (SMOLLM2 / "model.safetensors").is_file(), f"SmolLM2 not found at {SMOLLM2}"
     with pytest.raises(AscqError, match="9 attention heads, which do not split over tensor_parallel_size 2; "
@@ -237,7 +238,7 @@ def test_sizing_matches_the_checkpoint_and_splits(tiny_llama_dir: Path) -> None:
 
     from safetensors import safe_open
 
-    from ascq.runtime.distributed.sizing import per_rank_memory
+    from ascq.zoo.sizing import per_rank_memory
 
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
@@ -255,11 +256,11 @@ def test_deepseek_moe_16b_plan_per_rank_numbers_are_sizing_py() -> None:
     """zoo/deepseek-moe-16b's committed plan: every per-rank number is what sizing.py computes; one rank at TP 1
     is the whole checkpoint the plan sizes; every rank of TP 8 / EP 8 holds the same bytes (even splits); EP 8 keeps
     whole experts, so no straddling int4 group scales are repeated and it needs less than TP 8."""
+    from ascq.formats.manifest import read_manifest
     from ascq.paths import PROJECT_DIR
-    from ascq.runtime.distributed.sizing import per_rank_memory
     from ascq.zoo import deepseek_moe_16b
-    from ascq.zoo.manifest import read_manifest
     from ascq.zoo.planned import checkpoint_bytes
+    from ascq.zoo.sizing import per_rank_memory
 
     config, planned = deepseek_moe_16b.CONFIG, read_manifest(PROJECT_DIR / "zoo" / deepseek_moe_16b.NAME)["planned"]
     assert set(planned["per_rank"]) == {"tp2", "tp4", "tp8", "ep8"}

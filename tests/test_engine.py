@@ -9,10 +9,10 @@ import pytest
 import torch
 from engine_helpers import assert_no_leaks, drain, make_engine
 
-from ascq.errors import AscqError
-from ascq.runtime.engine import LLMEngine
-from ascq.runtime.engine_args import EngineArgs
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.core.errors import AscqError
+from ascq.runtime.engine.engine_args import EngineArgs
+from ascq.runtime.engine.llm_engine import LLMEngine
+from ascq.runtime.sampling.sampling_params import SamplingParams
 
 
 def mixed_requests(num: int, seed: int = 0) -> list[tuple[list[int], int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ascq import LLM
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.runtime.sampling.sampling_params import SamplingParams
 
 KV_MEMORY = 32 << 20
 

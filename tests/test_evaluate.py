@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.evaluate import eval_windows, load_eval_token_ids, perplexity, unigram_perplexity
 
 

@@ -14,12 +14,12 @@ from test_group_size_fit import CONFIG, _convert, _gguf_blocked, _quantization_c
 from test_kernels import independent_linear, rel_error
 from test_runtime_models import reference_greedy_batch, run_greedy
 
-from ascq.errors import AscqError, UnsupportedError
+from ascq.core import qmath
+from ascq.core.errors import AscqError, UnsupportedError
+from ascq.formats.manifest import read_manifest
 from ascq.kernels import QuantLinearWeights, get_backend
-from ascq.quantize import qmath
 from ascq.quantize.recipe import load_recipes
 from ascq.quantize.synthetic import write_synthetic_checkpoint
-from ascq.zoo.manifest import read_manifest
 
 
 def float_zero_weights(scheme: str, out_features: int, in_features: int, group_size: int | None,

@@ -1,4 +1,4 @@
-"""Fused decode (ascq/runtime/fused_decode.py, ascq/kernels/fused_decode.c): a pure decode step's layers in one native
+"""Fused decode (ascq/runtime/worker/fused_decode.py, ascq/kernels/fused_decode.c): a pure decode step's layers in one native
 call give the eager path's hidden states bit for bit (so the same greedy tokens), on dense bf16 and W4A16
 checkpoints, batches 1-4, and past the row bound it falls back; SmolLM2 (slow)."""
 
@@ -11,7 +11,7 @@ import torch
 
 from ascq import LLM, SamplingParams
 from ascq.kernels import cpu, native
-from ascq.runtime.fused_decode import ENV
+from ascq.runtime.worker.fused_decode import ENV
 
 SMOLLM2 = Path("/work/main/zoo/smollm2-135m-instruct")
 PROMPTS = [[5 + (7 * i + j) % 200 for j in range(3 + 9 * i)] for i in range(4)]  # 3..30 tokens
@@ -149,8 +149,8 @@ def test_opt_in_int8_lm_head_is_close_to_bf16(tiny_llama_dir: Path, monkeypatch:
 
 def test_unknown_switch_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """An env switch with a value it does not know is an error, never silently ignored."""
-    from ascq.errors import UnsupportedError
-    from ascq.runtime import fused_decode
+    from ascq.core.errors import UnsupportedError
+    from ascq.runtime.worker import fused_decode
 
     monkeypatch.setenv(fused_decode.ENV, "yes")
     with pytest.raises(UnsupportedError, match="use 1"):

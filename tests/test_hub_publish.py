@@ -12,7 +12,7 @@ from hub_double import HubDouble
 from huggingface_hub import ModelCard
 from zoo_builder import run, write_w4a16_entry
 
-from ascq.zoo.manifest import MANIFEST_NAME, list_entry_files, read_manifest, write_manifest
+from ascq.formats.manifest import MANIFEST_NAME, list_entry_files, read_manifest, write_manifest
 
 TOKEN = "hf_TESTDOUBLEsecretTOKEN0123456789"
 REPO = "test/x"

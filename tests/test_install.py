@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ascq import __version__, paths
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascq.errors import AscqError, UnsupportedError
+from ascq.core.errors import AscqError, UnsupportedError
 from ascq.kernels import WEIGHT_BITS, QuantLinearWeights, cpu, get_backend, merge_output_dim
 
 FAST_BACKENDS = (

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ascq.evaluate import eval_windows, load_eval_token_ids
+from ascq.formats.manifest import read_manifest, verify_files
 from ascq.formats.safetensors import CheckpointReader
 from ascq.models.decoder import MLP as DeepseekMLP
 from ascq.models.deepseek_moe import load_deepseek
@@ -21,7 +22,6 @@ from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.moe_coverage import ExpertCoverage, dense_mlp_inputs
 from ascq.quantize.outlier_stress import write_outlier_stress
 from ascq.quantize.schemes import RecipeError, resolve_target
-from ascq.zoo.manifest import read_manifest, verify_files
 
 
 def _tensors(entry) -> dict[str, torch.Tensor]:

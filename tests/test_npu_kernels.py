@@ -11,7 +11,7 @@ import pytest
 import torch
 from npu_emulation import EmulatedContractError, get_npu_format
 
-from ascq.errors import UnsupportedError
+from ascq.core.errors import UnsupportedError
 from ascq.kernels import QuantLinearWeights, reference
 
 DTYPE = torch.bfloat16

@@ -1,4 +1,4 @@
-"""ascq.quantize.qmath against compressed-tensors' own functions and plain-torch math; the writer's bytes."""
+"""ascq.core.qmath against compressed-tensors' own functions and plain-torch math; the writer's bytes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize, fake_quantize, quantize
 from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp
 
+from ascq.core import qmath
 from ascq.formats import compressed_tensors as ct
-from ascq.quantize import qmath
+from ascq.quantize import observer
 from ascq.quantize.modifier import QuantizedLinear
 from ascq.quantize.schemes import LinearTarget, RecipeScheme
 
@@ -46,18 +47,18 @@ def test_qparams_match_compressed_tensors(num_bits, symmetric):
 @pytest.mark.parametrize("args", WEIGHT_ARGS, ids=lambda a: f"int{a.num_bits}-{a.strategy}-{'sym' if a.symmetric else 'asym'}")
 def test_weight_quantize_dequantize_match_compressed_tensors(args):
     w = _weight()
-    q, scale, zp = qmath.quantize_weight(w, args)
+    q, scale, zp = observer.quantize_weight(w, args)
     ct_q = quantize(w, scale, zp, args, dtype=torch.int8)
     assert torch.equal(q, ct_q)
     torch.testing.assert_close(qmath.dequantize_weight(q, scale, zp, args), dequantize(ct_q, scale, zp, args), rtol=0, atol=0)
-    torch.testing.assert_close(qmath.fake_quantize_weight(w, args), fake_quantize(w, scale, zp, args), rtol=0, atol=1e-7)
+    torch.testing.assert_close(observer.fake_quantize_weight(w, args), fake_quantize(w, scale, zp, args), rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("args", WEIGHT_ARGS, ids=lambda a: f"int{a.num_bits}-{a.strategy}-{'sym' if a.symmetric else 'asym'}")
 def test_weight_quantization_plain_math(args):
     """Values in the signed range, max error half a step, the extremes hit the range ends."""
     w = _weight(2)
-    q, scale, zp = qmath.quantize_weight(w, args)
+    q, scale, zp = observer.quantize_weight(w, args)
     qmin, qmax = qmath.int_range(args.num_bits)
     assert q.dtype == torch.int8 and q.min() >= qmin and q.max() <= qmax
     grouped = qmath.to_groups(w, args.strategy, args.group_size)
@@ -76,7 +77,7 @@ def test_weight_quantization_plain_math(args):
 def test_scale_rounded_to_checkpoint_dtype_before_rounding_values():
     w = _weight(3)
     args = WEIGHT_ARGS[0]
-    q, scale, _ = qmath.quantize_weight(w, args, torch.bfloat16)
+    q, scale, _ = observer.quantize_weight(w, args, torch.bfloat16)
     assert scale.dtype == torch.bfloat16
     assert torch.equal(q, quantize(w, scale, None, args, dtype=torch.int8))
 
@@ -121,7 +122,7 @@ def test_written_tensors_unpack_to_the_chosen_values(args, input_args):
     """int-quantized / pack-quantized tensors (compressed-tensors' compressor) give back q, scale and zero point,
     through unpack_from_int32 and through ascq's decompress_linear; their names/dtypes/shapes are the specs'."""
     w = _weight(4)
-    q, scale, zp = qmath.quantize_weight(w, args, torch.bfloat16)
+    q, scale, zp = observer.quantize_weight(w, args, torch.bfloat16)
     owner = RecipeScheme("test", {}, [])
     target = LinearTarget(args, input_args, owner)
     out = ct.compress_linear(args, input_args, QuantizedLinear(q, scale, zp))
@@ -149,17 +150,17 @@ def test_written_tensors_unpack_to_the_chosen_values(args, input_args):
 def test_mse_observer_shrinks_ranges_to_lower_the_weight_error_and_unknown_observers_are_refused():
     from compressed_tensors.quantization import QuantizationArgs
 
-    from ascq.quantize import qmath
+    from ascq.core import qmath
     from ascq.quantize.schemes import UnsupportedError, parse_recipe_scheme
 
     torch.manual_seed(0)
     w = torch.randn(64, 256)
     w[3, 5] = 8.0  # one outlier: its group's range is worth shrinking
     errors = {}
-    for observer in ("minmax", "mse"):
-        args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, observer=observer)
-        low, high = qmath.weight_ranges(qmath.to_groups(w, "group", 64), args, torch.float32)
-        errors[observer] = (qmath.fake_quantize_weight(w, args) - w).pow(2).mean()
+    for name in ("minmax", "mse"):
+        args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, observer=name)
+        low, high = observer.weight_ranges(qmath.to_groups(w, "group", 64), args, torch.float32)
+        errors[name] = (observer.fake_quantize_weight(w, args) - w).pow(2).mean()
         assert (high <= w.view(64, 4, 64).amax(-1)).all() and (low >= w.view(64, 4, 64).amin(-1)).all()
     assert errors["mse"] < errors["minmax"]
     weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}
@@ -172,14 +173,14 @@ def test_mse_observer_matches_a_per_group_loop_across_chunks(monkeypatch):
     """The chunked in-place search picks, per group, the shrink a plain loop over groups and steps picks."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    from ascq.quantize import qmath
+    from ascq.core import qmath
 
-    monkeypatch.setattr(qmath, "MSE_CHUNK_ELEMENTS", 3 * 64 + 5)  # chunk edges inside the weight, a ragged last one
+    monkeypatch.setattr(observer, "MSE_CHUNK_ELEMENTS", 3 * 64 + 5)  # chunk edges inside the weight, a ragged last one
     torch.manual_seed(1)
     w = torch.randn(10, 4, 64) * torch.rand(10, 4, 1)
     w[2, 1, 7] = 9.0
     args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, observer="mse")
-    low, high = qmath.weight_ranges(w, args, torch.float32)
+    low, high = observer.weight_ranges(w, args, torch.float32)
     for r in range(10):
         for g in range(4):
             x = w[r, g]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ascq.cli import main
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.quantize.recipe import (
     ComposedRecipe,
     available_recipes,

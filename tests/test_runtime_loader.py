@@ -14,12 +14,12 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
 
-from ascq.errors import UnsupportedError
-from ascq.runtime.engine import LLMEngine
-from ascq.runtime.engine_args import EngineArgs
-from ascq.runtime.request import Request
-from ascq.runtime.sampling_params import SamplingParams
-from ascq.runtime.scheduler import SchedulerOutput
+from ascq.core.errors import UnsupportedError
+from ascq.runtime.engine.engine_args import EngineArgs
+from ascq.runtime.engine.llm_engine import LLMEngine
+from ascq.runtime.sampling.sampling_params import SamplingParams
+from ascq.runtime.sched.request import Request
+from ascq.runtime.sched.scheduler import SchedulerOutput
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -12,8 +12,8 @@ import transformers
 from engine_helpers import make_engine, run_batch
 
 from ascq.models.deepseek_moe import load_deepseek
-from ascq.runtime.engine import LLMEngine
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.runtime.engine.llm_engine import LLMEngine
+from ascq.runtime.sampling.sampling_params import SamplingParams
 
 
 def run_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> list[list[int]]:

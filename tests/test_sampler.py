@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascq.runtime.request import Request
-from ascq.runtime.sampler import Sampler, apply_min_p, apply_top_k_top_p
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.runtime.sampling.sampling_params import SamplingParams
+from ascq.runtime.sched.request import Request
+from ascq.runtime.worker.sampler import Sampler, apply_min_p, apply_top_k_top_p
 
 
 def request(**params) -> Request:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ascq.runtime.block_manager import BlockManager
-from ascq.runtime.request import Request, RequestStatus
-from ascq.runtime.sampling_params import SamplingParams
-from ascq.runtime.scheduler import Scheduler
+from ascq.runtime.sampling.sampling_params import SamplingParams
+from ascq.runtime.sched.block_manager import BlockManager
+from ascq.runtime.sched.request import Request, RequestStatus
+from ascq.runtime.sched.scheduler import Scheduler
 
 
 def req(rid: str, num_tokens: int) -> Request:

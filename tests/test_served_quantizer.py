@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from test_runtime_loader import prefill_logits
 
+from ascq.core import qmath
 from ascq.evaluate import eval_windows, load_eval_token_ids
-from ascq.quantize import qmath
 from ascq.quantize.reference_forward import reference_logits
-from ascq.runtime.engine import LLMEngine
-from ascq.runtime.engine_args import EngineArgs
+from ascq.runtime.engine.engine_args import EngineArgs
+from ascq.runtime.engine.llm_engine import LLMEngine
 
 
 def test_converter_fake_quant_logits_equal_served_reference_logits(tmp_path: Path, tiny_llama_dir: Path,

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
 from ascq.runtime.server import launcher
 
 API_KEY = "test-key-5f2c9a"

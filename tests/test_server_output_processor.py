@@ -9,12 +9,12 @@ import dataclasses
 
 import pytest
 
-from ascq.runtime.engine import LLMEngine
-from ascq.runtime.engine_args import EngineArgs
-from ascq.runtime.engine_core import DeltaEncoder
-from ascq.runtime.output_processor import OutputProcessor
-from ascq.runtime.outputs import RequestOutput
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.runtime.engine.engine_args import EngineArgs
+from ascq.runtime.engine.engine_core import DeltaEncoder
+from ascq.runtime.engine.llm_engine import LLMEngine
+from ascq.runtime.engine.output_processor import OutputProcessor
+from ascq.runtime.engine.outputs import RequestOutput
+from ascq.runtime.sampling.sampling_params import SamplingParams
 
 PROMPTS = ["def main(", "import os\n", "class Foo", "for i in range(", "# utils\n"]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from ascq.errors import AscqError
-from ascq.runtime.bench_serve import RequestResult, summarize
+from ascq.core.errors import AscqError
+from ascq.runtime.bench.serve import RequestResult, summarize
 from ascq.runtime.server.chat_template import ChatPrompter, load_chat_template
 from ascq.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 

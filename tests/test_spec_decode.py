@@ -16,15 +16,15 @@ import torch
 from engine_helpers import make_engine, run_batch
 from safetensors.torch import load_file, save_file
 
-from ascq.errors import AscqError, UnsupportedError
+from ascq.core.errors import AscqError, UnsupportedError
 from ascq.paths import EVAL_TEXT, PROJECT_DIR
-from ascq.runtime.engine import LLMEngine
-from ascq.runtime.request import Request
-from ascq.runtime.sampler import Sampler
-from ascq.runtime.sampling_params import SamplingParams
+from ascq.runtime.engine.llm_engine import LLMEngine
+from ascq.runtime.sampling.sampling_params import SamplingParams
+from ascq.runtime.sched.request import Request
 from ascq.runtime.spec_decode.config import parse_speculative_config
 from ascq.runtime.spec_decode.ngram_proposer import propose_ngram
 from ascq.runtime.spec_decode.rejection_sampler import RejectionSampler
+from ascq.runtime.worker.sampler import Sampler
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 

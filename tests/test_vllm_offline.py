@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ascq import LLM, SamplingParams
-from ascq.errors import AscqError, UnsupportedError
-from ascq.runtime.sampler import apply_penalties, padded
-from ascq.runtime.structured_output import StructuredOutputsParams
+from ascq.core.errors import AscqError, UnsupportedError
+from ascq.runtime.sampling.structured_output import StructuredOutputsParams
+from ascq.runtime.worker.sampler import apply_penalties, padded
 
 PROMPTS = ["def parse_args(argv):\n    ", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self"]
 
@@ -70,7 +70,7 @@ def test_engine_kwargs_checked(tiny_llama_dir) -> None:
 def test_gpu_memory_utilization_sizes_kv_from_free_memory(tiny_llama_dir) -> None:
     import psutil
 
-    from ascq.runtime.engine import module_bytes
+    from ascq.runtime.engine.llm_engine import module_bytes
 
     small = LLM(str(tiny_llama_dir), gpu_memory_utilization=0.01, max_model_len=128).engine
     free = psutil.virtual_memory().available

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from transformers_check import assert_transformers_matches_reference
 
+from ascq.formats.manifest import read_manifest, verify_files
 from ascq.quantize.outlier_stress import write_outlier_stress
-from ascq.zoo.manifest import read_manifest, verify_files
 
 FIXTURES = ["tiny_llama_dir", "tiny_deepseek_moe_dir"]
 # AWQ/GPTQ calibrate on 16 x 256 tokens here to keep the suite short (the recipes' benchmark uses the defaults);
@@ -102,8 +102,8 @@ def _quantized_logits_fn(entry: Path):
     """fp32 logits of a converted entry (ascq's reference forward, every layer dequantized once)."""
     import torch
 
+    from ascq.core.norm import rms_norm
     from ascq.quantize.reference_forward import QuantizedCheckpoint
-    from ascq.runtime.layers.rmsnorm import rms_norm
 
     ckpt = QuantizedCheckpoint(entry)
     arch, reader = ckpt.arch, ckpt.reader

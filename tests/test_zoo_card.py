@@ -8,8 +8,8 @@ from pathlib import Path
 from huggingface_hub import ModelCard, metadata_load
 from zoo_builder import RECIPE_TEXT, run
 
+from ascq.formats.manifest import read_manifest, write_manifest
 from ascq.zoo.card import render_card
-from ascq.zoo.manifest import read_manifest, write_manifest
 from ascq.zoo.verify import verify_entry
 
 

@@ -17,10 +17,10 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from zoo_builder import write_dense_entry
 
 from ascq.cli import main
-from ascq.errors import AscqError
+from ascq.core.errors import AscqError
+from ascq.formats.manifest import read_manifest
 from ascq.paths import PROJECT_DIR
 from ascq.zoo import deepseek_moe_16b
-from ascq.zoo.manifest import read_manifest
 from ascq.zoo.planned import (
     checkpoint_bytes,
     checkpoint_tensors,

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from zoo_builder import run
 
-from ascq.errors import AscqError
-from ascq.zoo.manifest import read_manifest, write_manifest
+from ascq.core.errors import AscqError
+from ascq.formats.manifest import read_manifest, write_manifest
 from ascq.zoo.verify import verify_entry
 
 

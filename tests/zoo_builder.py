@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from ascq.cli import main
-from ascq.zoo.manifest import new_manifest, staged_entry, write_manifest
+from ascq.formats.manifest import new_manifest, staged_entry, write_manifest
 
 CORPUS = ["def main():\n    return 0\n", "import os\nprint(os.getcwd())\n", "class A:\n    pass\n"] * 20
 LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -62,7 +62,7 @@ def new_manifest(name: str, **fields: Any) -> dict[str, Any]:
     or None), metrics ({"perplexity", "perplexity_base", "unigram_perplexity", "eval_text", "num_eval_tokens"}),
     conversion ({"seconds", "peak_rss_bytes"}), files (filled by `write_manifest`).
     """
-    from ascq import __version__
+    from ascq.core.version import __version__
 
     manifest: dict[str, Any] = {
         "manifest_version": MANIFEST_VERSION,

@@ -17,18 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascq.core.architecture import head_dim_of
 from ascq.core.errors import AscqError
+from ascq.core.norm import rms_norm
+from ascq.core.rotary import RotaryEmbedding
 from ascq.kernels.reference import causal_attention
-from ascq.runtime.layers.rmsnorm import rms_norm
-from ascq.runtime.layers.rotary import RotaryEmbedding
 
 # kv_hook(key, value) -> (key, value) on post-RoPE keys/values [batch, kv_heads, seq, head_dim] (calibration, fp8 KV)
 KVHook = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def head_dim_of(config: dict[str, Any]) -> int:
-    """The attention head size: the config's `head_dim`, else hidden_size / num_attention_heads (the one rule)."""
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
 @dataclass(frozen=True)

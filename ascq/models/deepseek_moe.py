@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascq.core.deepseek_config import DeepseekConfig
 from ascq.core.errors import AscqError
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels.reference import select_experts
 from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, RMSNorm, rotary_for
-from ascq.models.deepseek_config import DeepseekConfig
 
 __all__ = ["DeepseekConfig", "DeepseekDecoderLayer", "DeepseekForCausalLM", "DeepseekMoE", "load_deepseek"]
 

@@ -17,10 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ascq.core.architecture import LLAMA_FAMILY, MODEL_TYPES, check_llama_config, head_dim_of
 from ascq.core.errors import AscqError, UnsupportedError
-from ascq.models import LLAMA_FAMILY, MODEL_TYPES
-from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, KVHook, head_dim_of, rotary_for
-from ascq.runtime.models.llama import check_llama_config
+from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, KVHook, rotary_for
 
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 
@@ -203,7 +202,7 @@ class DeepseekMoEArch(Architecture):
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        from ascq.models.deepseek_config import DeepseekConfig
+        from ascq.core.deepseek_config import DeepseekConfig
 
         self.ds_config = DeepseekConfig.from_dict(config)
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ascq.core import qmath
-from ascq.quantize import awq
+from ascq.quantize import awq, observer
 from ascq.quantize.architectures import BalanceGroup
 from ascq.quantize.input_capture import replay
 from ascq.quantize.layer_context import LayerContext
@@ -150,7 +150,7 @@ class AWQModifier(Modifier):
 
     def _fake_quantize(self, ctx: LayerContext, name: str):
         args = ctx.targets[name].weights
-        return lambda w: qmath.fake_quantize_weight(w, args, ctx.scale_dtype)
+        return lambda w: observer.fake_quantize_weight(w, args, ctx.scale_dtype)
 
     def _search_config(self, ctx: LayerContext, name: str) -> awq.AWQSearchConfig:
         args = ctx.targets[name].weights
@@ -222,7 +222,7 @@ class AWQModifier(Modifier):
     def _quantize(self, ctx: LayerContext) -> None:
         for name, target in ctx.targets.items():
             if target.owner is self.scheme and name not in ctx.results:
-                q, scale, zero_point = qmath.quantize_weight(ctx.module(name).weight, target.weights, ctx.scale_dtype)
+                q, scale, zero_point = observer.quantize_weight(ctx.module(name).weight, target.weights, ctx.scale_dtype)
                 ctx.results[name] = QuantizedLinear(q, scale, zero_point)
 
     def summary(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 
 from ascq.core import qmath
+from ascq.quantize import observer
 from ascq.quantize.gptq import CholeskyError, GPTQConfig, GramCache, HessianAccumulator, gptq_quantize
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
@@ -192,7 +193,7 @@ class GPTQModifier(Modifier):
                 log.warning(message)
                 self.fallbacks.append(f"{ctx.prefix}{name}")
                 ctx.report.setdefault("gptq_rtn_fallback", []).append(name)
-                q, scale, zero_point = qmath.quantize_weight(weight, args, ctx.scale_dtype)
+                q, scale, zero_point = observer.quantize_weight(weight, args, ctx.scale_dtype)
                 ctx.results[name] = QuantizedLinear(q, scale, zero_point)
             self.num_quantized += len(names)
             return
@@ -236,7 +237,7 @@ def _qparams(args: QuantizationArgs, scale_dtype: torch.dtype, weighted_mse: boo
     dtype as the writer will; with `weighted_mse`, the observer's error weighted by the columns' importance."""
 
     def qparams(w: torch.Tensor, importance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        low, high = qmath.weight_ranges(w, args, scale_dtype, importance if weighted_mse else None)
+        low, high = observer.weight_ranges(w, args, scale_dtype, importance if weighted_mse else None)
         scale, zero = qmath.compute_qparams(low, high, args.num_bits, args.symmetric, scale_dtype,
                                             qmath.zero_point_dtype(args))
         return scale.float(), zero.float()

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from ascq.core.architecture import head_dim_of
 from ascq.core.errors import UnsupportedError
 from ascq.formats import msmodelslim as ms
-from ascq.models.decoder import head_dim_of
 from ascq.quantize.ct_writer import ShardWriter
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args

@@ -23,16 +23,17 @@ from torch import nn
 from tqdm import tqdm
 
 from ascq.core.errors import AscqError
+from ascq.core.norm import rms_norm
 from ascq.core.qmath import linear_group_size
 from ascq.evaluate import eval_windows, perplexity
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import cpu
-from ascq.models.layout import decoder_linears
 from ascq.quantize.architectures import Architecture, LayerBlock
 from ascq.quantize.ct_writer import ShardWriter, quantization_config
 from ascq.quantize.layer_context import LayerContext
+from ascq.quantize.layout import decoder_linears
 from ascq.quantize.recipe import ComposedRecipe
-from ascq.quantize.reference_forward import fp8_kv_hook, install_quantized, rms_norm, shared_result
+from ascq.quantize.reference_forward import fp8_kv_hook, install_quantized, shared_result
 from ascq.quantize.schemes import (
     GroupSizeFit,
     LinearTarget,

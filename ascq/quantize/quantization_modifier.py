@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ascq.core import qmath
+from ascq.quantize import observer
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
 from ascq.quantize.schemes import RecipeError, RecipeScheme, parse_recipe_scheme
@@ -43,7 +44,7 @@ class QuantizationModifier(Modifier):
         input_max = ctx.input_absmax(static) if static else {}
         for name in owned:
             target = ctx.targets[name]
-            q, scale, zero_point = qmath.quantize_weight(ctx.module(name).weight, target.weights, ctx.scale_dtype)
+            q, scale, zero_point = observer.quantize_weight(ctx.module(name).weight, target.weights, ctx.scale_dtype)
             input_scale = None
             if name in input_max:
                 input_scale = qmath.static_scale(input_max[name].max(), 8, ctx.scale_dtype)

@@ -20,13 +20,13 @@ from torch.utils.hooks import RemovableHandle
 
 from ascq.core import qmath
 from ascq.core.errors import AscqError
+from ascq.core.norm import rms_norm
 from ascq.formats import QuantizedLinear
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import cpu
 from ascq.quantize.architectures import KVHook, architecture_from_config
 from ascq.quantize.schemes import LinearTarget, RecipeScheme, resolve_target
-from ascq.runtime.layers.rmsnorm import rms_norm
 
 
 def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None, shared: dict | None = None):

@@ -17,11 +17,11 @@ from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 from pydantic import ValidationError
 from torch import nn
 
-from ascq.core import qmath
 from ascq.core.errors import AscqError, UnsupportedError
 from ascq.core.qmath import block_aligned_group_size, float_zero_point
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.manifest import group_size_fit_text
+from ascq.quantize import observer
 
 DEFAULT_TARGETS = ["Linear"]
 # lm_head and embeddings stay full precision, as does the MoE router (its logits pick the experts).
@@ -79,10 +79,10 @@ def _check_supported(owner: str, group: str, scheme: QuantizationScheme) -> None
         raise UnsupportedError(f"{owner}: {group}: weights must be int4 or int8 with strategy channel, group or tensor")
     if w.dynamic:
         raise UnsupportedError(f"{owner}: {group}: dynamic weight quantization is not supported")
-    if w.observer is not None and w.observer not in qmath.WEIGHT_OBSERVERS:
+    if w.observer is not None and w.observer not in observer.WEIGHT_OBSERVERS:
         raise UnsupportedError(f"{owner}: {group}: weight observer {w.observer!r} is not supported; use one of "
-                               f"{', '.join(qmath.WEIGHT_OBSERVERS)}")
-    options = set(qmath.MSE_DEFAULTS) if w.observer == "mse" else set()  # the min-max observers take none
+                               f"{', '.join(observer.WEIGHT_OBSERVERS)}")
+    options = set(observer.MSE_DEFAULTS) if w.observer == "mse" else set()  # the min-max observers take none
     unknown = set(w.observer_kwargs or {}) - options
     if unknown:
         raise UnsupportedError(f"{owner}: {group}: observer_kwargs {sorted(unknown)[0]!r} is not supported for "

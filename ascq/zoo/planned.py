@@ -1,5 +1,5 @@
 """Planned zoo entries: checkpoint size and serving memory per recipe computed from an architecture's config.json
-(tensor names and shapes from `ascq.models.layout`, the architecture description),
+(tensor names and shapes from `ascq.quantize.layout`, the architecture description),
 and `require_weights`, the check that tells a user which command produces an entry's missing weights.
 
 Sizes count tensor payload bytes exactly as a compressed-tensors checkpoint stores them (safetensors headers, a few
@@ -21,6 +21,7 @@ from typing import Any
 
 from compressed_tensors.quantization import QuantizationArgs
 
+from ascq.core.architecture import head_dim_of
 from ascq.core.errors import AscqError
 from ascq.core.qmath import fitted_group_size, linear_group_size
 from ascq.formats import compressed_tensors as ct
@@ -32,8 +33,7 @@ from ascq.formats.manifest import (
     staged_entry,
     write_manifest,
 )
-from ascq.models.decoder import head_dim_of
-from ascq.models.layout import Shape, checkpoint_tensors
+from ascq.quantize.layout import Shape, checkpoint_tensors
 
 BF16_BYTES = 2
 EXCLUDED_LINEARS = ("lm_head", "mlp.gate")

@@ -17,9 +17,7 @@ import math
 import re
 from typing import Any
 
-from ascq.models.decoder import head_dim_of
-from ascq.runtime.distributed.parallel import divide, kv_heads_per_rank
-from ascq.runtime.executor.pipeline import stage_layers
+from ascq.core.architecture import divide, head_dim_of, kv_heads_per_rank, stage_layers
 from ascq.zoo.planned import (
     BF16_BYTES,
     EXCLUDED_LINEARS,

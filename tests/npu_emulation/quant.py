@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ascq.quantize.qmath import quantize_per_token
+from ascq.core.qmath import quantize_per_token
 
 from .contract import ACL_FORMAT_FRACTAL_NZ, ACL_FORMAT_ND, npu_format, require, require_dtype
 

@@ -81,14 +81,14 @@ def machine_description() -> dict[str, Any]:
 
 
 def _make_llm(options: OfflineBenchOptions):
-    from ascq import LLM
+    from ascq.runtime.engine.llm import LLM
 
     return LLM(options.model, **options.engine_kwargs())
 
 
 def run_requests(engine: Any, prompts: list[list[int]], output_len: int) -> tuple[list[RequestResult], float]:
     """All prompts arrive now; step the engine to completion, timing each request's tokens."""
-    from ascq import SamplingParams
+    from ascq.runtime.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()

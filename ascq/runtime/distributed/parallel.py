@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ascq.core.errors import AscqError
+from ascq.core.architecture import divide
 
 BACKEND_FOR_DEVICE = {"cpu": "gloo", "reference": "gloo", "cuda": "nccl", "npu": "hccl"}
 INIT_TIMEOUT = timedelta(minutes=10)
@@ -85,21 +85,6 @@ def tp_rank() -> int:
 
 def expert_parallel() -> bool:
     return _state.enable_expert_parallel and _state.tp_size > 1
-
-
-def divide(numerator: int, denominator: int) -> int:
-    if numerator % denominator:
-        raise AscqError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
-    return numerator // denominator
-
-
-def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads are split across ranks, or replicated (one per rank) when there are fewer heads than ranks."""
-    if tp_size <= num_kv_heads:
-        return divide(num_kv_heads, tp_size)
-    if tp_size % num_kv_heads:
-        raise AscqError(f"tensor-parallel size {tp_size} must be a multiple of num_key_value_heads {num_kv_heads}")
-    return 1
 
 
 def all_reduce(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -119,7 +119,7 @@ class EngineArgs:
     def check_parallel_layout(self, config: dict[str, Any]) -> None:
         """The model's attention heads must split over the tensor-parallel ranks (vLLM's rule), before any rank
         starts; KV heads are split, or replicated when TP is a multiple of them."""
-        from ascq.runtime.distributed.parallel import kv_heads_per_rank
+        from ascq.core.architecture import kv_heads_per_rank
 
         tp, heads = self.tensor_parallel_size, config["num_attention_heads"]
         if tp > 1 and heads % tp:

@@ -24,18 +24,9 @@ from ascq.runtime.worker.kv_cache import (
     kv_cache_torch_dtype,
     num_blocks_for,
 )
-from ascq.runtime.worker.loader import load_model, read_config
+from ascq.runtime.worker.loader import load_model, load_tokenizer, read_config
 from ascq.runtime.worker.model_runner import ModelRunner
 from ascq.runtime.worker.sampler import Sampler
-
-
-def load_tokenizer(path: Any) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-    except (OSError, ValueError) as exc:
-        raise AscqError(f"cannot load a tokenizer from {path}: {' '.join(str(exc).split())[:200]}") from exc
 
 
 def eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:

@@ -15,19 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ascq.core.architecture import stage_layers
 from ascq.runtime.distributed.parallel import ParallelState
 from ascq.runtime.layers.attention import AttentionMetadata
-
-
-def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
-    """Contiguous, as even as possible; earlier stages take the remainder."""
-    if num_layers < pp_size:
-        from ascq.core.errors import AscqError
-
-        raise AscqError(f"{num_layers} layers cannot be split into {pp_size} pipeline stages")
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return range(start, start + base + (pp_rank < extra))
 
 
 def prune_for_stage(model: nn.Module, ps: ParallelState) -> Callable[[str], bool]:

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascq.core.architecture import divide
 from ascq.kernels import cpu, native
-from ascq.runtime.distributed.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
+from ascq.runtime.distributed.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_world_size
 from ascq.runtime.layers.loadable import assign_parameter
 
 

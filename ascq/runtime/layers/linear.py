@@ -15,16 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ascq.core.architecture import divide, kv_heads_per_rank
 from ascq.core.errors import AscqError
 from ascq.kernels import QuantLinearWeights, merge_output_dim
-from ascq.runtime.distributed.parallel import (
-    all_reduce,
-    divide,
-    kv_heads_per_rank,
-    shard_tensor,
-    tp_rank,
-    tp_world_size,
-)
+from ascq.runtime.distributed.parallel import all_reduce, shard_tensor, tp_rank, tp_world_size
 
 ACTIVATION_PARAMS = ("input_scale", "input_zero_point")
 DYNAMIC_ACTIVATION_SCHEMES = ("w8a8_dynamic", "w4a8_dynamic")

@@ -15,10 +15,10 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from ascq.core.architecture import divide
 from ascq.core.errors import AscqError
 from ascq.runtime.distributed.parallel import (
     all_reduce,
-    divide,
     expert_parallel,
     shard_tensor,
     tp_rank,

@@ -1,20 +1,13 @@
-"""RMSNorm computed in fp32, with the residual add fused in (returns the new residual too); `rms_norm` is also the
-reference models' and the converter's."""
+"""RMSNorm (`ascq.core.norm.rms_norm`) as a loadable module, with the residual add fused in (returns the new
+residual too)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ascq.core.norm import rms_norm
 from ascq.runtime.layers.loadable import assign_parameter
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x), the statistics in fp32 (as transformers' LlamaRMSNorm): the one RMSNorm of ascq.
-    x * rsqrt(mean(x^2) + eps) runs as one fused op (the same math as the explicit ops, fewer dispatches)."""
-    x32 = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return weight * x32.to(x.dtype)
 
 
 class RMSNorm(nn.Module):

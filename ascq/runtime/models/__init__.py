@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
+from ascq.core.architecture import LLAMA_FAMILY, MODEL_TYPES
 from ascq.core.errors import UnsupportedError
-from ascq.models import LLAMA_FAMILY, MODEL_TYPES
 
 # `architectures` class name -> runtime model family (llama or deepseek), from the one model-type table
 ARCHITECTURES = {

@@ -9,14 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascq.core.errors import UnsupportedError
-from ascq.models.decoder import head_dim_of
-from ascq.runtime.distributed.parallel import divide, kv_heads_per_rank, tp_world_size
+from ascq.core.architecture import check_llama_config, divide, head_dim_of, kv_heads_per_rank
+from ascq.core.rotary import RotaryEmbedding
+from ascq.runtime.distributed.parallel import tp_world_size
 from ascq.runtime.layers.attention import Attention, AttentionMetadata
 from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ascq.runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ascq.runtime.layers.rmsnorm import RMSNorm
-from ascq.runtime.layers.rotary import RotaryEmbedding
 from ascq.runtime.models.weights import load_named_weights
 
 
@@ -169,14 +168,6 @@ class CausalLM(nn.Module):
                     yield "lm_head.weight", tensor
 
         load_named_weights(self, with_tied_head(), scheme_for)
-
-
-def check_llama_config(config: dict[str, Any]) -> None:
-    if config.get("hidden_act", "silu") != "silu":
-        raise UnsupportedError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
-    if config.get("sliding_window") and config.get("use_sliding_window", True) and config.get("model_type") == "mistral":
-        if config["sliding_window"] < config.get("max_position_embeddings", 0):
-            raise UnsupportedError("sliding-window attention is not supported; set max_model_len <= sliding_window")
 
 
 class LlamaForCausalLM(CausalLM):

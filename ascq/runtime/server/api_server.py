@@ -28,8 +28,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-import ascq
 from ascq.core.errors import AscqError
+from ascq.core.version import __version__
 from ascq.runtime.server.async_engine import ENGINE_DEAD_MESSAGE, AsyncEngine
 from ascq.runtime.server.chat_template import ChatPrompter
 from ascq.runtime.server.listen import bind_socket
@@ -57,7 +57,7 @@ def create_app(engine: AsyncEngine, tokenizer: Any, prompter: ChatPrompter, mode
         yield
         engine.stop()
 
-    app = FastAPI(title="ascq", version=ascq.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="ascq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     serving = OpenAIServing(engine, tokenizer, prompter, model_name, max_model_len, vocab_size, tool_options)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(EngineDeadMiddleware, engine=engine)
@@ -75,7 +75,7 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": ascq.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -64,7 +64,7 @@ def check_same_vocabulary(draft_dir: Path, draft_config: dict[str, Any], target_
     has_tokenizer = any((draft_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
     if not has_tokenizer or not hasattr(target_tokenizer, "get_vocab"):
         return
-    from ascq.runtime.engine.llm_engine import load_tokenizer
+    from ascq.runtime.worker.loader import load_tokenizer
 
     draft_tokens = load_tokenizer(draft_dir).get_vocab()
     target_tokens = target_tokenizer.get_vocab()

@@ -122,3 +122,12 @@ def load_model(
     model.load_weights(weights, scheme_for)
     finalize_model(model, get_backend(device), dtype, torch_device)
     return model.eval(), quant
+
+
+def load_tokenizer(path: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise AscqError(f"cannot load a tokenizer from {path}: {' '.join(str(exc).split())[:200]}") from exc
