@@ -26,6 +26,8 @@ app = typer.Typer(
 zoo_app = typer.Typer(help="List, inspect, verify, document and pull zoo entries.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks: offline latency / throughput, or a running server.", no_args_is_help=True)
 app.add_typer(zoo_app, name="zoo")
+MaxNumSeqs = Annotated[int | None, typer.Option(help="Most requests in one batch (default 64, or the --performance-mode preset's).")]
+MaxBatched = Annotated[int | None, typer.Option(help="Token budget of one engine step (default 2048, or the --performance-mode preset's).")]
 
 
 def _print_version(value: bool) -> None:
@@ -245,7 +247,7 @@ def generate(
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     kv_cache_memory: Annotated[int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 64,
+    max_num_seqs: MaxNumSeqs = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(
         help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM.")] = None,
     enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = True,
@@ -300,8 +302,8 @@ def serve(
         help="Require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY or $ASCQ_API_KEY, else open).")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients use (default: MODEL).")] = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 64,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.")] = 2048,
+    max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxBatched = None,
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
     kv_cache_dtype: Annotated[str, typer.Option(help="auto or fp8 (e4m3).")] = "auto",
     kv_cache_memory: Annotated[int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")] = None,
@@ -457,8 +459,6 @@ InputLen = Annotated[int, typer.Option(help="Prompt tokens per request (random t
 OutputLen = Annotated[int, typer.Option(help="Generated tokens per request (ignore_eos).")]
 Dtype = Annotated[str, typer.Option(help="Compute dtype: auto, float32, bfloat16, float16.")]
 Device = Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")]
-MaxNumSeqs = Annotated[int | None, typer.Option(help="Most requests in one batch (default: engine's).")]
-MaxBatched = Annotated[int | None, typer.Option(help="Token budget of one step (default: engine's).")]
 KvMemory = Annotated[int | None, typer.Option(help="KV-cache bytes.")]
 EnforceEager = Annotated[bool | None, typer.Option("--enforce-eager/--no-enforce-eager",
                                                    help="Run eagerly; --no-enforce-eager: decode graphs.")]

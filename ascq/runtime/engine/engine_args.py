@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,10 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("cpu", "reference", "cuda", "npu")
 DEFAULT_KV_CACHE_FRACTION = 0.1  # of available host memory when kv_cache_memory is not given
 MAX_DEFAULT_KV_CACHE_BYTES = 4 << 30
-# --performance-mode presets over the scheduler knobs, applied to the knobs left at their defaults
-# (measured on SmolLM2-135M, README "Performance modes"): latency keeps batches small and prefill chunks short so a
+# The scheduler knobs' defaults, and the --performance-mode presets over them: a preset sets only the knobs the
+# user left unset (None); an explicit value always wins. Latency keeps batches small and prefill chunks short so a
 # long prompt never stalls the running decodes for long; throughput batches as much as the cache allows.
+SCHEDULER_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
 PERFORMANCE_MODES = {
     "latency": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
     "throughput": {"max_num_seqs": 128, "max_num_batched_tokens": 4096},
@@ -35,8 +35,8 @@ class EngineArgs:
     device: str = "cpu"
     dtype: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None  # None: the performance mode's, else SCHEDULER_DEFAULTS
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int | None = None
@@ -129,16 +129,14 @@ class EngineArgs:
         kv_heads_per_rank(config.get("num_key_value_heads") or heads, tp)
 
     def _apply_performance_mode(self) -> None:
-        if self.performance_mode is None:
-            return
-        if self.performance_mode not in PERFORMANCE_MODES:
+        if self.performance_mode is not None and self.performance_mode not in PERFORMANCE_MODES:
             raise UnsupportedError(
                 f"unknown performance mode {self.performance_mode!r}; supported: {', '.join(PERFORMANCE_MODES)}"
             )
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, value in PERFORMANCE_MODES[self.performance_mode].items():
-            if getattr(self, name) == defaults[name]:
-                setattr(self, name, value)
+        preset = PERFORMANCE_MODES[self.performance_mode] if self.performance_mode else {}
+        for name, default in SCHEDULER_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, preset.get(name, default))
 
     def _check_parallel(self) -> None:
         sizes = {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
