@@ -13,6 +13,7 @@ try:  # recent typer vendors click
 except ImportError:  # pragma: no cover - older typer depends on click
     from click import exceptions as click_exceptions
 
+from ascq import envs
 from ascq.core.errors import AscqError
 from ascq.paths import DEFAULT_MAX_EVAL_TOKENS
 
@@ -346,7 +347,7 @@ def serve(
     from ascq.runtime.server.api_server import ServeOptions
 
     options = ServeOptions(host=host, port=port,
-                           api_key=api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("ASCQ_API_KEY"),
+                           api_key=api_key or os.environ.get("VLLM_API_KEY") or envs.ASCQ_API_KEY,
                            served_model_name=served_model_name, chat_template=chat_template,
                            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                            stream_interval=stream_interval)

@@ -3,6 +3,8 @@
 import os
 from pathlib import Path
 
+from ascq import envs
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 PROJECT_DIR = PACKAGE_DIR.parent
 DATA_DIR = PACKAGE_DIR / "data"
@@ -15,8 +17,8 @@ CALIB_TEXT = DATA_DIR / "calib.txt"
 def zoo_root() -> Path:
     """The zoo folder: $ASCQ_ZOO, else the project's `zoo/` in a source checkout, else (a plain `pip install`, where
     the package lives in site-packages) `$XDG_DATA_HOME/ascq/zoo`, by default `~/.local/share/ascq/zoo`."""
-    if "ASCQ_ZOO" in os.environ:
-        return Path(os.environ["ASCQ_ZOO"])
+    if envs.ASCQ_ZOO is not None:
+        return envs.ASCQ_ZOO
     if (PROJECT_DIR / "pyproject.toml").is_file() and (PROJECT_DIR / "zoo").is_dir():
         return PROJECT_DIR / "zoo"
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ascq" / "zoo"

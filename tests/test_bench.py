@@ -1,9 +1,10 @@
 """`ascq bench latency|throughput`: vLLM's metric names, result files, and `--compare` catching a real slowdown
-(ASCQ_DEBUG_STEP_DELAY_MS, a test-only per-step sleep in the model runner)."""
+(the test slows the model runner's step down itself)."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from ascq.cli import main
 from ascq.paths import PROJECT_DIR
 from ascq.runtime.bench.offline import compare, load_result, parse_goodput
-from ascq.runtime.worker.model_runner import DEBUG_STEP_DELAY_ENV
+from ascq.runtime.worker.model_runner import ModelRunner
 
 BASELINES = PROJECT_DIR / "benchmarks" / "baselines"
 WORKLOAD = ["--num-prompts", "8", "--input-len", "24", "--output-len", "12"]
@@ -46,7 +47,13 @@ def test_throughput_compare_passes_unchanged_and_fails_on_slowdown(
 
     # ten times a step as measured (steps slow down a lot on a loaded shared machine), 400 ms at least
     delay_ms = max(400.0, 10 * data["metrics"]["p50_tpot_ms"])
-    monkeypatch.setenv(DEBUG_STEP_DELAY_ENV, f"{delay_ms:.0f}")
+    execute = ModelRunner.execute
+
+    def slowed_execute(self, out):
+        time.sleep(delay_ms / 1000)
+        return execute(self, out)
+
+    monkeypatch.setattr(ModelRunner, "execute", slowed_execute)
     assert run_cli([*common, "--compare", str(baseline), "--max-regression", "200"]) == 1
     assert "REGRESSION" in capsys.readouterr().out
 

@@ -11,7 +11,6 @@ import torch
 
 from ascq import LLM, SamplingParams
 from ascq.kernels import cpu, native
-from ascq.runtime.worker.fused_decode import ENV
 
 SMOLLM2 = Path("/work/main/zoo/smollm2-135m-instruct")
 PROMPTS = [[5 + (7 * i + j) % 200 for j in range(3 + 9 * i)] for i in range(4)]  # 3..30 tokens
@@ -20,7 +19,7 @@ PROMPTS = [[5 + (7 * i + j) % 200 for j in range(3 + 9 * i)] for i in range(4)] 
 def decode(model: Path | str, dtype: str, fused: bool, prompts: list[list[int]], max_tokens: int,
            monkeypatch: pytest.MonkeyPatch, max_num_seqs: int = 4) -> tuple[list[list[int]], list[torch.Tensor], int]:
     """Greedy tokens, every step's final hidden states, and the number of steps the fused path ran."""
-    monkeypatch.setenv(ENV, "1" if fused else "0")
+    monkeypatch.setenv("ASCQ_FUSED_DECODE", "1" if fused else "0")
     llm = LLM(str(model), dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_memory=64 << 20)
     decoder = llm.engine.model.model
     assert (decoder.fused_decode is not None) == fused, llm.engine.runner.fused_decode_reason
@@ -89,11 +88,11 @@ def test_dense_bf16_batch_past_native_bound_falls_back(tiny_llama_dir: Path, mon
 
 
 def test_unsupported_models_stay_eager(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setenv("ASCQ_FUSED_DECODE", "1")
     llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=8 << 20)
     assert llm.engine.model.model.fused_decode is None
     assert llm.engine.runner.fused_decode_reason  # fp32 activations: a reason, logged
-    monkeypatch.setenv(ENV, "0")
+    monkeypatch.setenv("ASCQ_FUSED_DECODE", "0")
     llm = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory=8 << 20)
     assert llm.engine.model.model.fused_decode is None
 
@@ -132,9 +131,8 @@ def test_smollm2_fused_matches_eager(converted_entry, monkeypatch: pytest.Monkey
 @needs_native
 def test_opt_in_int8_lm_head_is_close_to_bf16(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ASCQ_LM_HEAD_QUANT=int8 (opt-in, README): logits from an int8 per-row copy of the head, close to bf16's."""
-    from ascq.runtime.layers.embedding import LM_HEAD_QUANT_ENV
 
-    monkeypatch.setenv(LM_HEAD_QUANT_ENV, "int8")
+    monkeypatch.setenv("ASCQ_LM_HEAD_QUANT", "int8")
     llm = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory=8 << 20)
     head = llm.engine.model.lm_head
     assert head.int8 is not None
@@ -149,11 +147,11 @@ def test_opt_in_int8_lm_head_is_close_to_bf16(tiny_llama_dir: Path, monkeypatch:
 
 def test_unknown_switch_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """An env switch with a value it does not know is an error, never silently ignored."""
-    from ascq.core.errors import UnsupportedError
+    from ascq.core.errors import AscqError
     from ascq.runtime.worker import fused_decode
 
-    monkeypatch.setenv(fused_decode.ENV, "yes")
-    with pytest.raises(UnsupportedError, match="use 1"):
+    monkeypatch.setenv("ASCQ_FUSED_DECODE", "yes")
+    with pytest.raises(AscqError, match="ASCQ_FUSED_DECODE='yes': use 1"):
         fused_decode.enabled()
-    monkeypatch.setenv(fused_decode.ENV, "0")
+    monkeypatch.setenv("ASCQ_FUSED_DECODE", "0")
     assert not fused_decode.enabled()

@@ -529,7 +529,7 @@ def test_bf16_gemm_paths_match_reference_and_keep_copies_within_budget(bf16_gemm
     w.weight = w.weight.bfloat16() if scheme == "dense" else w.weight
     ref = get_backend("reference")
     for budget_mb, kept in ((0, False), (1 << 30, True)):
-        monkeypatch.setenv(cpu.BF16_WEIGHT_CACHE_ENV, str(budget_mb))
+        monkeypatch.setenv("ASCQ_BF16_WEIGHT_CACHE_MB", str(budget_mb))
         prepared = cpu.prepare_linear(w, torch.bfloat16)
         for num_rows in (1, cpu.BF16_GEMM_NATIVE_MAX_M, 100):
             x = torch.randn(num_rows, 256, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
@@ -553,6 +553,6 @@ def test_lm_head_bf16_gemm_path_matches_fp32(bf16_gemm):
 
 
 def test_bf16_copy_budget_rejects_a_bad_value(bf16_gemm, monkeypatch):
-    monkeypatch.setenv(cpu.BF16_WEIGHT_CACHE_ENV, "lots")
+    monkeypatch.setenv("ASCQ_BF16_WEIGHT_CACHE_MB", "lots")
     with pytest.raises(AscqError, match="whole number of MiB"):
         cpu.prepare_linear(make_weights("w4a16", 72, 256, 64), torch.bfloat16)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ascq.core.errors import AscqError
+from ascq import envs
 from ascq.kernels import QuantLinearWeights, linear_over_rows, moe, native
 from ascq.kernels.cpu_attention import paged_attention
 from ascq.kernels.paged_sdpa import write_kv_cache
@@ -63,14 +62,11 @@ INT8PACK_MAX_M = 64
 BF16_GEMM_NATIVE_MAX_M = 24  # weight-only: native kernel below, bf16 dequantization + bf16 GEMM from here (SmolLM2's
 # 3072x576 g32: 0.81 vs 0.56 ms at M=32, 1.59 vs 0.65 at 64, 71 vs 4.5 at 2048; 576x1536: 0.23 vs 0.29 at M=16)
 BF16_GEMM_LM_HEAD_MIN_M = 8  # LM head: native bf16 kernel below, torch's bf16 GEMM from here
-BF16_GEMM_ENV = "ASCQ_BF16_GEMM"  # 1 / 0 forces the bf16 GEMM paths on / off
 # Linears on the bf16 GEMM path keep a bf16 copy of their weight (4x an int4 weight's bytes; dense bf16: a second
 # copy) while the process total stays within this budget, instead of dequantizing (and oneDNN repacking) on every call
 # (SmolLM2 W4A16 at batch 64: 34 ms of each decode step); past it they do that per call. 0 turns the copies off.
 # The kept copy is in oneDNN's blocked layout (packed for ONEDNN_PACK_ROWS rows: identical results, and on SmolLM2's
 # 3072x576 0.087 vs 0.152 ms at M = 24, 0.40 vs 0.51 at 256, 2.47 vs 2.49 at 2048 against per-call packing).
-BF16_WEIGHT_CACHE_ENV = "ASCQ_BF16_WEIGHT_CACHE_MB"
-BF16_WEIGHT_CACHE_DEFAULT_MB = 1024
 ONEDNN_PACK_ROWS = 64
 _bf16_cache_bytes = 0
 FBGEMM_SPLIT_MAX_M = 256
@@ -95,11 +91,9 @@ def _detect_bf16_gemm() -> str | None:
     AMD EPYC VM, 4096x576x1536: 225 vs 36 GFLOP/s while a build shared the cores); None without either (AVX2
     hosts: bf16 products run as GEMVs, several times slower than fp32). `ASCQ_BF16_GEMM=1|0` (read at import)
     forces the answer ("amx"'s thresholds when forced on)."""
-    forced = os.environ.get(BF16_GEMM_ENV)
+    forced = envs.ASCQ_BF16_GEMM
     if forced is not None:
-        if forced not in ("0", "1"):
-            raise AscqError(f"{BF16_GEMM_ENV} must be 0 or 1, got {forced!r}")
-        return "amx" if forced == "1" else None
+        return "amx" if forced else None
     for kind, probe in (("amx", "_is_amx_tile_supported"), ("avx512_bf16", "_is_avx512_bf16_supported")):
         if getattr(torch.cpu, probe, lambda: False)():
             return kind
@@ -149,7 +143,7 @@ class CpuLinear:
     zero: torch.Tensor | None = None  # fp32 [out, groups]
     packed: native.PackedWeights | Int4PackWeights | Int8PackWeights | FbgemmWeights | None = None  # the kernel's own copy
     bias: torch.Tensor | None = None  # fp32
-    bf16_weight: torch.Tensor | None = None  # AMX hosts: the bf16 weight kept within BF16_WEIGHT_CACHE_ENV
+    bf16_weight: torch.Tensor | None = None  # AMX hosts: the bf16 weight kept within ASCQ_BF16_WEIGHT_CACHE_MB
     bf16_prepacked: bool = False  # bf16_weight is in oneDNN's blocked layout (`_onednn_pack`)
 
 
@@ -261,7 +255,7 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
 
 def _with_bf16_copy(p: CpuLinear) -> CpuLinear:
     """`p`, with a kept bf16 copy of its weight (`bf16_weight`) made at load where it will take the bf16 GEMM path
-    and the budget (BF16_WEIGHT_CACHE_ENV) allows; oneDNN-packed where this torch build can (`_onednn_pack`)."""
+    and the budget (ASCQ_BF16_WEIGHT_CACHE_MB) allows; oneDNN-packed where this torch build can (`_onednn_pack`)."""
     global _bf16_cache_bytes
     bf16_dense = p.kernel == "dense" and p.weight.dtype == torch.bfloat16
     eligible = bf16_dense or p.kernel in ("native", "int4pack", "int8pack")
@@ -330,10 +324,7 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _bf16_copy_fits(size: int) -> bool:
-    raw = os.environ.get(BF16_WEIGHT_CACHE_ENV, str(BF16_WEIGHT_CACHE_DEFAULT_MB))
-    if not raw.strip().isdigit():
-        raise AscqError(f"{BF16_WEIGHT_CACHE_ENV} must be a whole number of MiB (0: no copies), got {raw!r}")
-    return _bf16_cache_bytes + size <= int(raw) << 20
+    return _bf16_cache_bytes + size <= envs.ASCQ_BF16_WEIGHT_CACHE_MB << 20
 
 
 def _bf16_values(p: CpuLinear) -> torch.Tensor:

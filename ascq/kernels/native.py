@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ascq import envs
 from ascq.atomic_file import atomic_output
-from ascq.core.errors import AscqError
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c", "gptq_columns.c",
@@ -45,7 +45,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-s
 
 def _cache_dir() -> Path:
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ascq" / "kernels"
-    return Path(os.environ.get("ASCQ_CACHE_DIR", default))
+    return envs.ASCQ_CACHE_DIR or default
 
 
 def _compile(compiler: str) -> Path:
@@ -64,10 +64,7 @@ def _compile(compiler: str) -> Path:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None where it cannot run (reason given once as a warning)."""
-    switch = os.environ.get("ASCQ_NATIVE_KERNELS", "1")
-    if switch not in ("0", "1"):
-        raise AscqError(f"ASCQ_NATIVE_KERNELS must be 0 or 1, got {switch!r}")
-    if switch == "0":
+    if not envs.ASCQ_NATIVE_KERNELS:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if platform.machine() not in ("x86_64", "AMD64") or compiler is None:

@@ -33,9 +33,6 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
-LM_HEAD_QUANT_ENV = "ASCQ_LM_HEAD_QUANT"
-"""`int8`: opt in to an int8 copy of the LM head on the CPU (`ParallelLMHead.quantize_int8`); other logits."""
-
 
 class ParallelLMHead(VocabParallelEmbedding):
     int8: native.PackedWeights | None = None  # opt-in int8 copy

@@ -17,19 +17,17 @@ On by default in eager mode (`enforce_eager=True`, the CPU default); `ASCQ_FUSED
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ascq.core.errors import UnsupportedError
+from ascq import envs
 from ascq.kernels import cpu, native
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.layers.linear import LinearBase
 from ascq.runtime.models.llama import DecoderLayer, DecoderModel, LlamaMLP
 
-ENV = "ASCQ_FUSED_DECODE"
 KINDS = {"dense": 0}  # native kernels: their bit width
 
 
@@ -189,10 +187,7 @@ class FusedDecode:
 
 
 def enabled() -> bool:
-    value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
-        raise UnsupportedError(f"{ENV}={value!r}: use 1 (on, the default) or 0 (off)")
-    return value == "1"
+    return envs.ASCQ_FUSED_DECODE
 
 
 def attach(model: torch.nn.Module) -> str | None:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
-import time
 
 import torch
 from torch import nn
 
+from ascq import envs
 from ascq.core.errors import UnsupportedError
 from ascq.runtime.layers.attention import AttentionMetadata
-from ascq.runtime.layers.embedding import LM_HEAD_QUANT_ENV, ParallelLMHead
+from ascq.runtime.layers.embedding import ParallelLMHead
 from ascq.runtime.sched.request import Request
 from ascq.runtime.sched.scheduler import SchedulerOutput
 from ascq.runtime.worker import decode_graphs, device_graphs, fused_decode
@@ -19,7 +18,6 @@ from ascq.runtime.worker.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from ascq.runtime.worker.device_graphs import DeviceGraphs
 
 logger = logging.getLogger(__name__)
-DEBUG_STEP_DELAY_ENV = "ASCQ_DEBUG_STEP_DELAY_MS"
 
 
 class ModelRunner:
@@ -38,17 +36,12 @@ class ModelRunner:
             self.fused_decode_reason = fused_decode.attach(model)
             if self.fused_decode_reason:
                 logger.debug("fused decode off: %s", self.fused_decode_reason)
-        lm_head_quant = os.environ.get(LM_HEAD_QUANT_ENV, "")
-        if lm_head_quant not in ("", "int8"):
-            raise UnsupportedError(f"{LM_HEAD_QUANT_ENV}={lm_head_quant!r}: the only value is int8 (unset: bf16 head)")
-        if lm_head_quant == "int8":  # opt-in, other logits
+        if envs.ASCQ_LM_HEAD_QUANT == "int8":  # opt-in, other logits
             head = getattr(model, "lm_head", None)
             if device.type != "cpu" or not isinstance(head, ParallelLMHead):
-                raise UnsupportedError(f"{LM_HEAD_QUANT_ENV}=int8 needs the cpu backend and a ParallelLMHead")
+                raise UnsupportedError("ASCQ_LM_HEAD_QUANT=int8 needs the cpu backend and a ParallelLMHead")
             head.quantize_int8()
-            logger.info("%s=int8: the LM head runs as int8 (per-row scales); logits differ from bf16", LM_HEAD_QUANT_ENV)
-        # test-only: a deliberate per-step slowdown, so `ascq bench --compare` can be shown to catch regressions
-        self.debug_step_delay_s = float(os.environ.get(DEBUG_STEP_DELAY_ENV, "0") or 0) / 1000
+            logger.info("ASCQ_LM_HEAD_QUANT=int8: the LM head runs as int8 (per-row scales); logits differ from bf16")
 
     def _start_graphs(self, max_num_seqs: int) -> None:
         """Device graphs on the cuda / npu kernel backends, compiled decode graphs on the CPU ones."""
@@ -105,8 +98,6 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """fp32 logits for the requests whose scheduled chunk reaches their last token: one row each, or with
         k proposed tokens 1 + k rows (the last own token's and each proposed token's), in request order."""
-        if self.debug_step_delay_s:
-            time.sleep(self.debug_step_delay_s)
         input_ids, positions, meta, last_rows = self.prepare(out)
         hidden = None
         if self.device_graphs is not None and meta.max_query_len == 1:
