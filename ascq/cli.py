@@ -261,7 +261,7 @@ def generate(
 ) -> None:
     """Generate text for one or more prompts (--prompt) or chat messages (--chat) offline and print it."""
     from ascq.formats.manifest import resolve_local_model
-    from ascq.quantize.convert import check_device
+    from ascq.platforms import check_device
     from ascq.runtime.engine.llm import LLM
     from ascq.runtime.sampling.sampling_params import SamplingParams
     from ascq.zoo.planned import require_weights
@@ -353,7 +353,7 @@ def serve(
                            stream_interval=stream_interval)
 
     from ascq.formats.manifest import resolve_local_model
-    from ascq.quantize.convert import check_device
+    from ascq.platforms import check_device
     from ascq.runtime.engine.engine_args import EngineArgs
     from ascq.runtime.server.api_server import run_server
     from ascq.zoo.planned import require_weights

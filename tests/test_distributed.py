@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ascq import LLM, SamplingParams
-from ascq.core.architecture import stage_layers
+from ascq.core.architecture import kv_heads_per_rank, stage_layers
 from ascq.core.qmath import dequantize
 from ascq.runtime.distributed import parallel
 from ascq.runtime.executor.pipeline import split_requests
@@ -105,10 +105,10 @@ def test_row_parallel_keeps_per_channel_scales_bias_on_rank_0_and_activation_sca
 
 
 def test_kv_heads_split_or_replicated() -> None:
-    assert parallel.kv_heads_per_rank(8, 2) == 4
-    assert parallel.kv_heads_per_rank(2, 4) == 1
+    assert kv_heads_per_rank(8, 2) == 4
+    assert kv_heads_per_rank(2, 4) == 1
     with pytest.raises(Exception, match="multiple of num_key_value_heads"):
-        parallel.kv_heads_per_rank(3, 4)
+        kv_heads_per_rank(3, 4)
 
 
 def test_pipeline_stages_and_micro_batches() -> None:

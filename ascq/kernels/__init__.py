@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from ascq.core.errors import AscqError, UnsupportedError
+from ascq.platforms import platform_for
 
 SCHEMES = ("dense", "w8a8_dynamic", "w8a8_static", "w4a16", "w8a16", "w4a8_dynamic")
 WEIGHT_BITS = {"w8a8_dynamic": 8, "w8a8_static": 8, "w4a16": 4, "w8a16": 8, "w4a8_dynamic": 4}
-BACKENDS = ("reference", "cpu", "cuda", "npu")
 FLOAT_ZERO_POINT_SCHEMES = ("w4a16", "w8a16")  # weight-only: every backend dequantizes (q - zero) * scale in float
 
 
@@ -162,10 +162,7 @@ def linear_over_rows(linear_rows: Callable[[torch.Tensor, Any], torch.Tensor], x
 
 def get_backend(device: str | torch.device) -> ModuleType:
     """The kernel backend for a device: "reference", "cpu", "cuda[:N]" or "npu[:N]"."""
-    name = str(device).split(":")[0]
-    if name not in BACKENDS:
-        raise UnsupportedError(f"unknown device {str(device)!r}; supported: {', '.join(BACKENDS)}")
-    return importlib.import_module(f"ascq.kernels.{name}")
+    return importlib.import_module(f"ascq.kernels.{platform_for(device).name}")
 
 
 def torch_device(device: str | torch.device) -> torch.device:
@@ -174,4 +171,4 @@ def torch_device(device: str | torch.device) -> torch.device:
     backend_device = getattr(get_backend(device), "device", None)
     if callable(backend_device):
         return backend_device()
-    return torch.device("cpu" if str(device) in ("cpu", "reference") else device)
+    return platform_for(device).torch_device(device)

@@ -27,6 +27,7 @@ from ascq.formats.manifest import (
 )
 from ascq.formats.safetensors import CheckpointReader
 from ascq.paths import DEFAULT_MAX_EVAL_TOKENS, EVAL_TEXT, portable_name, zoo_root
+from ascq.platforms import CALIBRATION_DEVICES, check_device, device_kind
 from ascq.quantize.architectures import load_architecture
 from ascq.quantize.calibration import CalibrationSet, hub_reachable, load_calibration
 from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
@@ -40,7 +41,6 @@ from ascq.quantize.pipeline import (
 from ascq.quantize.recipe import ComposedRecipe, load_recipes
 
 FORMATS = ("compressed-tensors", "msmodelslim")
-DEVICES = ("cpu", "cuda", "npu")
 COPIED_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json", "LICENSE", "README.md",
@@ -70,8 +70,8 @@ class ConvertOptions:
             raise AscqError("give at least one --recipe (see 'ascq recipes')")
         if self.num_samples < 1 or self.seq_len < 2:
             raise AscqError("--num-samples must be >= 1 and --seq-len >= 2")
-        if self.device.split(":")[0] not in DEVICES:
-            raise AscqError(f"--device {self.device!r}: use one of {', '.join(DEVICES)}")
+        if device_kind(self.device) not in CALIBRATION_DEVICES:
+            raise AscqError(f"--device {self.device!r}: use one of {', '.join(CALIBRATION_DEVICES)}")
         if self.format not in FORMATS:
             raise UnsupportedError(f"--format {self.format!r}: supported: {', '.join(FORMATS)}")
         if self.max_eval_tokens is not None and self.max_eval_tokens < EVAL_SEQ_LEN:
@@ -102,18 +102,6 @@ def resolve_model_dir(model: str) -> Path:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"]))
     except Exception as exc:  # offline, unknown repo, gated: all mean "cannot get it"
         raise AscqError(f"cannot download {model} from the Hugging Face Hub ({type(exc).__name__}); pass a local folder") from None
-
-
-def check_device(device: str) -> str:
-    kind = device.split(":")[0]
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise AscqError("--device cuda: no CUDA device is available")
-    if kind == "npu":
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError:
-            raise AscqError("--device npu: torch_npu is not installed (pip install ascq[npu] with the CANN toolkit)") from None
-    return device
 
 
 def peak_rss_bytes() -> int:

@@ -28,6 +28,7 @@ from ascq.core.qmath import linear_group_size
 from ascq.evaluate import eval_windows, perplexity
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import cpu
+from ascq.platforms import platform_for
 from ascq.quantize.architectures import Architecture, LayerBlock
 from ascq.quantize.ct_writer import ShardWriter, quantization_config
 from ascq.quantize.layer_context import LayerContext
@@ -131,7 +132,7 @@ def calibration_gemm_dtype(choice: str, device: str, recipe: ComposedRecipe) -> 
     check_calibration_dtype(choice)
     if choice == "auto":
         bf16 = all(m.calibrates_in_bf16 for m in recipe.modifiers)
-        return torch.bfloat16 if cpu.BF16_GEMM_FAST and device == "cpu" and bf16 else torch.float32
+        return torch.bfloat16 if cpu.BF16_GEMM_FAST and platform_for(device).is_cpu and bf16 else torch.float32
     return getattr(torch, choice)
 
 

@@ -25,6 +25,7 @@ from ascq.formats import QuantizedLinear
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import cpu
+from ascq.platforms import platform_for
 from ascq.quantize.architectures import KVHook, architecture_from_config
 from ascq.quantize.schemes import LinearTarget, RecipeScheme, resolve_target
 
@@ -87,7 +88,7 @@ def integer_gemm_applies(target: LinearTarget, linear: nn.Linear) -> bool:
     product of the codes is exact in int32, so it runs as torch's int8 GEMM where that is fast (`cpu.INT8_GEMM_FAST`)
     instead of an fp32 GEMM of the fake-quantized values; the two agree up to fp32 rounding."""
     w, a = target.weights, target.input_activations
-    return (cpu.INT8_GEMM_FAST and linear.weight.device.type == "cpu" and a is not None
+    return (cpu.INT8_GEMM_FAST and platform_for(linear.weight.device).is_cpu and a is not None
             and w.type == "int" and a.type == "int" and w.symmetric and a.symmetric and w.num_bits <= 8
             and a.num_bits <= 8 and str(w.strategy) in ("channel", "tensor") and str(a.strategy) in ("token", "tensor"))
 

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ascq.core.architecture import divide
+from ascq.platforms import platform_for
 
-BACKEND_FOR_DEVICE = {"cpu": "gloo", "reference": "gloo", "cuda": "nccl", "npu": "hccl"}
 INIT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -52,9 +52,9 @@ def init_parallel(rank: int, tp_size: int, pp_size: int, device: str, init_metho
                   enable_expert_parallel: bool = False) -> ParallelState:
     """Join the process group (tcp:// or env:// rendezvous) and build the TP groups and the metadata group."""
     global _state
-    backend = BACKEND_FOR_DEVICE[device.split(":")[0]]
-    if backend == "hccl":
-        import torch_npu  # noqa: F401  (registers the hccl backend)
+    platform = platform_for(device)
+    platform.prepare_distributed()
+    backend = platform.dist_backend
     world = tp_size * pp_size
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=INIT_TIMEOUT)
     tp_group = None

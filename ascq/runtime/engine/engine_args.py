@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ascq.core.errors import AscqError, UnsupportedError
+from ascq.platforms import platform_for
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -16,9 +17,6 @@ DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-DEVICES = ("cpu", "reference", "cuda", "npu")
-DEFAULT_KV_CACHE_FRACTION = 0.1  # of available host memory when kv_cache_memory is not given
-MAX_DEFAULT_KV_CACHE_BYTES = 4 << 30
 # The scheduler knobs' defaults, and the --performance-mode presets over them: a preset sets only the knobs the
 # user left unset (None); an explicit value always wins. Latency keeps batches small and prefill chunks short so a
 # long prompt never stalls the running decodes for long; throughput batches as much as the cache allows.
@@ -74,8 +72,7 @@ class EngineArgs:
         self._apply_performance_mode()
         if not (self.model / "config.json").is_file():
             raise AscqError(f"{self.model} is not a model folder (no config.json)")
-        if self.device.split(":")[0] not in DEVICES:
-            raise UnsupportedError(f"unknown device {self.device!r}; supported: {', '.join(DEVICES)}")
+        platform_for(self.device)  # an unknown device is refused here
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise UnsupportedError(f"unknown dtype {self.dtype!r}; supported: auto, {', '.join(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -172,12 +169,8 @@ class EngineArgs:
         """Compute dtype: explicit, else fp32 on the CPU (fastest GEMMs there) and the checkpoint's dtype elsewhere."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        if self.torch_device.type == "cpu":
-            # measured (README "Performance"): weight-only int4/int8 checkpoints decode fastest through the native
-            # kernel, which takes bf16 activations; dense GEMMs are fastest in fp32 (no bf16 GEMM on AVX2)
-            native = self.device == "cpu" and is_weight_only_quantized(config)  # `reference`: plain fp32 math
-            return torch.bfloat16 if native else torch.float32
-        return DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
+        checkpoint = DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
+        return platform_for(self.device).default_dtype(checkpoint, is_weight_only_quantized(config))
 
     def resolve_max_model_len(self, config: dict[str, Any]) -> int:
         limit = int(config.get("max_position_embeddings", 2048))
@@ -189,13 +182,7 @@ class EngineArgs:
 
     def available_memory(self) -> int:
         """Free bytes on the device (host RAM for the CPU backends), read before the weights load."""
-        kind = self.torch_device.type
-        if kind in ("cuda", "npu"):
-            free, _ = getattr(torch, kind).mem_get_info(self.torch_device)
-            return int(free)
-        import psutil
-
-        return int(psutil.virtual_memory().available)
+        return platform_for(self.torch_device).free_memory(self.torch_device)  # where the tensors live
 
     def resolve_kv_cache_memory(self, free_before_load: int | None = None, weight_bytes: int = 0) -> int:
         """KV bytes: kv_cache_memory; else gpu_memory_utilization x free memory (before load) minus the weights;
@@ -209,12 +196,7 @@ class EngineArgs:
                     f"gpu_memory_utilization {self.gpu_memory_utilization} of {free_before_load / 2**30:.2f} GiB free "
                     f"leaves no room for the KV cache after {weight_bytes / 2**30:.2f} GiB of weights")
             return budget
-        if self.torch_device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.torch_device)
-            return int(free * 0.8)
-        import psutil
-
-        return min(int(psutil.virtual_memory().available * DEFAULT_KV_CACHE_FRACTION), MAX_DEFAULT_KV_CACHE_BYTES)
+        return platform_for(self.torch_device).default_kv_cache_bytes(self.torch_device)
 
 
 def is_weight_only_quantized(config: dict[str, Any]) -> bool:

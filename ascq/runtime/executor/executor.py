@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ascq.core.errors import AscqError
+from ascq.platforms import platform_for
 from ascq.runtime.distributed.parallel import ParallelState, destroy_parallel, init_parallel
 from ascq.runtime.distributed.process_watch import exit_with_parent
 from ascq.runtime.distributed.rendezvous import torchrun_rank
@@ -68,21 +69,12 @@ def free_port() -> int:
 
 def rank_device(device: str, local_rank: int) -> str:
     """One accelerator per rank on its node: cuda:<local rank> / npu:<local rank>; CPU ranks share the CPU."""
-    kind = device.split(":")[0]
-    if kind == "cuda":
-        torch.cuda.set_device(local_rank)
-        return f"cuda:{local_rank}"
-    if kind == "npu":
-        torch.npu.set_device(local_rank)
-        return f"npu:{local_rank}"
-    return device
+    return platform_for(device).set_device(local_rank)
 
 
 def set_cpu_threads(args: Any) -> None:
     """CPU ranks of one node split its cores, unless OMP_NUM_THREADS says otherwise."""
-    if args.device.split(":")[0] in ("cpu", "reference") and "OMP_NUM_THREADS" not in os.environ:
-        local_world = args.world_size // args.nnodes
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    platform_for(args.device).set_cpu_threads(args.world_size // args.nnodes)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from torch import nn
 
 from ascq.core.architecture import divide
 from ascq.kernels import cpu, native
+from ascq.platforms import platform_for
 from ascq.runtime.distributed.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_world_size
 from ascq.runtime.layers.loadable import assign_parameter
 
@@ -56,7 +57,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.int8 is not None and 0 < hidden.shape[0] < cpu.NATIVE_MAX_M:
             logits = native.weight_only_mm(None, hidden, self.int8)
             return all_gather_last_dim(logits) if self.tp_size > 1 else logits
-        on_cpu = self.weight.device.type == "cpu"
+        on_cpu = platform_for(self.weight.device).is_cpu
         native_max_m = cpu.BF16_GEMM_LM_HEAD_MIN_M if cpu.BF16_GEMM_FAST else cpu.LM_HEAD_BF16_MAX_M
         logits = cpu.bf16_small_m_linear(hidden, self.weight, native_max_m) if on_cpu else None
         if logits is None and on_cpu and self.weight.dtype == torch.bfloat16 and not cpu.BF16_GEMM_FAST:

@@ -25,12 +25,12 @@ import torch
 import torch._inductor.config
 from torch import nn
 
+from ascq.platforms import platform_for
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.models.llama import DecoderLayer
 
 logger = logging.getLogger("ascq.runtime")
 
-GRAPH_DEVICE_TYPES = ("cpu",)
 MAX_GRAPH_BATCH = 4
 """Larger decode batches run eagerly: from batch 8 the dense bf16 linears leave the native kernel for an fp32 GEMM,
 which the compiled graph ran at 0.59x eager's speed and with other rounding (greedy tokens changed) on SmolLM2
@@ -40,7 +40,7 @@ RECOMPILE_LIMIT = 64  # graphs per layer code object: (first layer or not) x (ba
 
 def unsupported_reason(model: nn.Module, device: torch.device) -> str | None:
     """Why compiled decode graphs cannot be used here, or None (cuda / npu capture device graphs instead)."""
-    if device.type not in GRAPH_DEVICE_TYPES:
+    if not platform_for(device).is_cpu:
         return f"torch.compile decode graphs are for the CPU backends, not {device.type} (see runtime/device_graphs.py)"
     if not any(isinstance(m, DecoderLayer) for m in model.modules()):
         return f"{type(model).__name__} has no decoder layers to compile"

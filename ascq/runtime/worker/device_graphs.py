@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ascq.platforms import platform_for
 from ascq.runtime.layers.attention import Attention, AttentionMetadata
 from ascq.runtime.layers.moe import FusedMoE
 from ascq.runtime.models.llama import DecoderLayer, DecoderModel
@@ -48,7 +49,6 @@ from ascq.runtime.worker.decode_graphs import capture_sizes, dummy_decode_inputs
 
 logger = logging.getLogger("ascq.runtime")
 
-GRAPH_CLASSES = {"cuda": "CUDAGraph", "npu": "NPUGraph"}  # kernel backend -> torch.<backend>'s graph class
 MAX_CAPTURE_SIZE = 32
 """Largest captured batch; vLLM captures up to 512, but each size costs startup time and pool memory."""
 MOE_EAGER_REASON = "routed experts count tokens per expert on the host, which a graph cannot capture"
@@ -65,10 +65,17 @@ class GraphApi:
 
 
 def graph_api(backend: str) -> GraphApi:
-    """torch.cuda's or torch.npu's graph API (torch.npu exists once torch_npu is imported: the npu kernels do)."""
-    module = getattr(torch, backend)
-    return GraphApi(getattr(module, GRAPH_CLASSES[backend]), module.graph, module.graph_pool_handle,
+    """The platform's graph API: torch.cuda's or torch.npu's (torch.npu exists once torch_npu is imported: the npu
+    kernels do)."""
+    platform = platform_for(backend)
+    module = platform.torch_module()
+    return GraphApi(getattr(module, platform.graph_class), module.graph, module.graph_pool_handle,
                     module.synchronize)
+
+
+def captures_graphs(backend: str | None) -> bool:
+    """Whether the kernel backend's platform captures device graphs (cuda, npu)."""
+    return backend is not None and platform_for(backend).graph_class is not None
 
 
 def kernel_backend(model: nn.Module) -> str | None:
@@ -79,14 +86,15 @@ def kernel_backend(model: nn.Module) -> str | None:
 
 def unsupported_reason(model: nn.Module, backend: str | None) -> str | None:
     """Why device graphs cannot be used for this model, or None."""
-    if backend not in GRAPH_CLASSES:
-        return f"device graphs are for the {' / '.join(GRAPH_CLASSES)} backends, not {backend}"
+    if not captures_graphs(backend):
+        return f"device graphs are for the backends of devices with a graph API, not {backend}"
     if not isinstance(getattr(model, "model", None), DecoderModel) or not len(model.model.layers):
         return f"{type(model).__name__} has no decoder layers to capture"
     if not all(isinstance(layer, DecoderLayer) for layer in model.model.layers):
         return "a decoder layer is not a DecoderLayer (no pre_attention / post_attention split)"
-    if not hasattr(getattr(torch, backend, None), GRAPH_CLASSES[backend]):
-        return f"torch.{backend}.{GRAPH_CLASSES[backend]} is not available"
+    graph_class = platform_for(backend).graph_class
+    if not hasattr(getattr(torch, backend, None), graph_class):
+        return f"torch.{backend}.{graph_class} is not available"
     return None
 
 
@@ -190,7 +198,7 @@ class DeviceGraphs:
         """Capture every size's pieces with a dummy decode step (block 0, slot 0 of each cache), largest first."""
         sizes = capture_sizes(max_num_seqs, MAX_CAPTURE_SIZE)
         logger.info("capturing decode graphs (%s) for batch sizes %s; --enforce-eager skips it",
-                    GRAPH_CLASSES[self.backend], sizes)
+                    platform_for(self.backend).graph_class, sizes)
         moe_layers = [i for i, layer in enumerate(self.decoder.layers) if is_moe(layer)]
         if moe_layers:
             logger.info("decode graphs: the MoE blocks of layers %s run eagerly between graphs (%s)",

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ascq import envs
 from ascq.kernels import cpu, native
+from ascq.platforms import platform_for
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.layers.linear import LinearBase
 from ascq.runtime.models.llama import DecoderLayer, DecoderModel, LlamaMLP
@@ -90,7 +91,7 @@ def unsupported_reason(model: DecoderModel) -> str | None:
     """Why `model` cannot run fused decode steps, or None."""
     if native.load() is None:
         return "no native kernel library"
-    if model.embed_tokens.weight.dtype != torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or not platform_for(model.embed_tokens.weight.device).is_cpu:
         return "activations are not bf16 on the CPU"
     if getattr(model.embed_tokens, "tp_size", 1) != 1:
         return "tensor parallel"

@@ -9,6 +9,7 @@ from torch import nn
 
 from ascq import envs
 from ascq.core.errors import UnsupportedError
+from ascq.platforms import platform_for
 from ascq.runtime.layers.attention import AttentionMetadata
 from ascq.runtime.layers.embedding import ParallelLMHead
 from ascq.runtime.sched.request import Request
@@ -32,13 +33,13 @@ class ModelRunner:
             self._start_graphs(max_num_seqs)
         self.enforce_eager = self.decode_graphs is None and self.device_graphs is None
         self.fused_decode_reason = "decode graphs run instead" if not self.enforce_eager else "turned off"
-        if self.enforce_eager and fused_decode.enabled() and device.type == "cpu":
+        if self.enforce_eager and fused_decode.enabled() and platform_for(device).is_cpu:
             self.fused_decode_reason = fused_decode.attach(model)
             if self.fused_decode_reason:
                 logger.debug("fused decode off: %s", self.fused_decode_reason)
         if envs.ASCQ_LM_HEAD_QUANT == "int8":  # opt-in, other logits
             head = getattr(model, "lm_head", None)
-            if device.type != "cpu" or not isinstance(head, ParallelLMHead):
+            if not platform_for(device).is_cpu or not isinstance(head, ParallelLMHead):
                 raise UnsupportedError("ASCQ_LM_HEAD_QUANT=int8 needs the cpu backend and a ParallelLMHead")
             head.quantize_int8()
             logger.info("ASCQ_LM_HEAD_QUANT=int8: the LM head runs as int8 (per-row scales); logits differ from bf16")
@@ -46,7 +47,7 @@ class ModelRunner:
     def _start_graphs(self, max_num_seqs: int) -> None:
         """Device graphs on the cuda / npu kernel backends, compiled decode graphs on the CPU ones."""
         backend = device_graphs.kernel_backend(self.model)
-        if backend in device_graphs.GRAPH_CLASSES:
+        if device_graphs.captures_graphs(backend):
             reason = device_graphs.unsupported_reason(self.model, backend)
             if not reason:
                 self.device_graphs = DeviceGraphs(self.model, backend)
