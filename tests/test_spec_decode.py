@@ -55,10 +55,11 @@ def draft_config(path, k: int = 4) -> dict:
 
 def assert_no_leaks(engine: LLMEngine) -> None:
     engine_helpers.assert_no_leaks(engine)
-    draft = getattr(engine.proposer, "block_manager", None)
+    proposer = engine.speculator.proposer if engine.speculator else None
+    draft = getattr(proposer, "block_manager", None)
     if draft is not None:
         assert draft.num_free_blocks == draft.num_blocks and set(draft.ref_counts) == {0}
-        assert not engine.proposer.sequences
+        assert not proposer.sequences
 
 
 def text_prompts(num: int, length: int = 160) -> list[str]:

@@ -70,7 +70,7 @@ def test_engine_kwargs_checked(tiny_llama_dir) -> None:
 def test_gpu_memory_utilization_sizes_kv_from_free_memory(tiny_llama_dir) -> None:
     import psutil
 
-    from ascq.runtime.engine.llm_engine import module_bytes
+    from ascq.runtime.executor.start import module_bytes
 
     small = LLM(str(tiny_llama_dir), gpu_memory_utilization=0.01, max_model_len=128).engine
     free = psutil.virtual_memory().available

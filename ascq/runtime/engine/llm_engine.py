@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -13,19 +12,16 @@ from ascq.core.errors import AscqError
 from ascq.runtime.engine.detokenizer import OutputText, stop_token_reason
 from ascq.runtime.engine.engine_args import EngineArgs
 from ascq.runtime.engine.outputs import CompletionOutput, RequestOutput
+from ascq.runtime.executor.start import start_model
 from ascq.runtime.sampling.sampling_params import SamplingParams
 from ascq.runtime.sampling.structured_output import StructuredOutputManager
 from ascq.runtime.sched.block_manager import BlockManager
 from ascq.runtime.sched.request import Request
 from ascq.runtime.sched.scheduler import Scheduler
-from ascq.runtime.worker.kv_cache import (
-    allocate_kv_cache,
-    bytes_per_block,
-    kv_cache_torch_dtype,
-    num_blocks_for,
-)
-from ascq.runtime.worker.loader import load_model, load_tokenizer, read_config
-from ascq.runtime.worker.model_runner import ModelRunner
+from ascq.runtime.spec_decode.speculator import Speculator, spec_decode_stats
+from ascq.runtime.worker.kv_cache import kv_cache_torch_dtype
+from ascq.runtime.worker.loader import load_tokenizer, read_config
+from ascq.runtime.worker.prompt_logprobs import record_prompt_logprobs
 from ascq.runtime.worker.sampler import Sampler
 
 
@@ -36,12 +32,6 @@ def eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
         eos = json.loads(generation_config.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
-
-
-def module_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (its weights, before the KV cache is allocated)."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class LLMEngine:
@@ -65,48 +55,24 @@ class LLMEngine:
         args.check_quantization(config)
         args.check_parallel_layout(config)
         self.kv_cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
-        if args.world_size > 1:  # ranks in their own processes; this one is rank 0 (runtime/distributed)
-            num_blocks = self._init_distributed(args, config)
-        else:
-            free_before_load = args.available_memory()
-            self.model, self.quant_config = load_model(args.model, args.device, self.dtype, config)
-            self.block_bytes = bytes_per_block(self.model, args.block_size, self.kv_cache_dtype)
-            num_blocks = num_blocks_for(args.resolve_kv_cache_memory(free_before_load, module_bytes(self.model)), self.block_bytes, args.num_gpu_blocks_override)
-            allocate_kv_cache(self.model, num_blocks, args.block_size, self.kv_cache_dtype, self.device)
-            self.runner = ModelRunner(self.model, args.block_size, self.device, enforce_eager=args.enforce_eager,
-                                      max_num_seqs=args.max_num_seqs)
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        started = start_model(args, config, self.dtype, self.kv_cache_dtype)
+        self.model, self.quant_config, self.runner = started.model, started.quant_config, started.runner
+        self.block_bytes = started.block_bytes
+        self.block_manager = BlockManager(started.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.sampler = sampler or Sampler(args.seed, self.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}  # id(sequence) -> per prompt token
-        self._init_speculation(sampler)
+        self.speculator: Speculator | None = None
+        if args.speculative_config is not None:
+            if sampler is not None:
+                raise AscqError("a custom sampler cannot be combined with speculative_config (it cannot verify "
+                                "drafts)")
+            self.speculator = Speculator(args.speculative_config, self, self.sampler)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.texts: dict[int, OutputText] = {}  # id(sequence) -> its output text (when detokenizing)
         self.pending_outputs: list[RequestOutput] = []
         self.num_generation_tokens = 0
-
-    def _init_distributed(self, args: EngineArgs, config: dict[str, Any]) -> int:
-        """Start the other ranks and load this rank's shard; KV blocks sized by the largest per-rank block."""
-        from ascq.runtime.executor.executor import DistributedModelRunner, MultiprocExecutor
-
-        free_before_load = args.available_memory()
-
-        def num_blocks(block_bytes: int, model: torch.nn.Module) -> int | str:
-            try:
-                memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model))
-                return num_blocks_for(memory, block_bytes, args.num_gpu_blocks_override)
-            except AscqError as exc:
-                return str(exc)
-
-        executor = MultiprocExecutor(args, config, self.dtype, num_blocks)
-        rank = executor.rank
-        self.model, self.quant_config, self.block_bytes = rank.model, rank.quant_config, rank.block_bytes
-        self.runner = DistributedModelRunner(executor, args.block_size)
-        if not args.enforce_eager:
-            logging.getLogger("ascq.runtime").info("enforce_eager=False: decode graphs are single-process only; "
-                                                   "the ranks run eagerly")
-        return rank.num_blocks
 
     # ---- requests ----------------------------------------------------------------------------------------
 
@@ -178,20 +144,22 @@ class LLMEngine:
             return outputs
         logits, sampling = self.runner.execute(scheduled)
         if self.prompt_logprobs:
-            self._record_prompt_logprobs(scheduled)
+            record_prompt_logprobs(scheduled, self.prompt_logprobs, self.runner.hidden_states,
+                                   self.model.compute_logits)
         self.scheduler.update_after_step(scheduled)
         advanced: dict[str, None] = {}
-        if self.proposer is None:
+        if self.speculator is None:
             results = [[r] for r in self._sample(logits, sampling)] if sampling else []
         else:
-            results = self._verify(logits, sampling, scheduled)
+            spec_of = {id(r): spec for r, spec in zip(scheduled.requests, scheduled.spec_token_ids, strict=True)}
+            results = self.speculator.verify(logits, sampling, [spec_of[id(r)] for r in sampling], self._sample)
         for request, tokens in zip(sampling, results, strict=True):
             for result in tokens:
                 if not request.is_finished:
                     self._append_token(request, result.token_id, result.logprobs)
             advanced[request.request_id] = None
-        if self.proposer is not None:
-            self._propose(scheduled, sampling)
+        if self.speculator is not None:
+            self._speculate(scheduled, sampling)
         for request_id in advanced:
             output = self._output(request_id)
             outputs.append(output)
@@ -204,24 +172,6 @@ class LLMEngine:
         if bitmask is None:  # custom samplers need not know structured outputs
             return self.sampler(logits, sampling)
         return self.sampler(logits, sampling, token_bitmask=bitmask)
-
-    def _record_prompt_logprobs(self, scheduled: Any) -> None:
-        """log-softmax of the raw logits at every newly computed prompt position (vLLM's prompt_logprobs)."""
-        start = 0
-        for request, num_new in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True):
-            recorded = self.prompt_logprobs.get(id(request))
-            first = request.num_computed_tokens  # predicts token first + 1
-            if recorded is not None and first < len(recorded) <= first + num_new and len(recorded) < request.num_prompt_tokens:
-                rows = torch.arange(start + len(recorded) - 1 - first, start + min(num_new, request.num_prompt_tokens - 1 - first))
-                logprobs = self.model.compute_logits(self.runner.hidden_states[rows]).float().log_softmax(-1).cpu()
-                top_n = request.params.prompt_logprobs
-                for row, token_id in zip(logprobs, request.token_ids[len(recorded):request.num_prompt_tokens], strict=False):
-                    entry = {token_id: float(row[token_id])}
-                    if top_n:
-                        values, ids = row.topk(top_n)
-                        entry.update(zip(ids.tolist(), values.tolist(), strict=True))
-                    recorded.append(entry)
-            start += num_new
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> None:
         request.append_token(token_id)
@@ -255,8 +205,8 @@ class LLMEngine:
 
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.finish(request)
-        if self.proposer is not None:
-            self.proposer.forget(request)
+        if self.speculator is not None:
+            self.speculator.forget(request)
         request.finish(reason, stop_reason)
 
     def _output(self, request_id: str) -> RequestOutput:
@@ -285,72 +235,15 @@ class LLMEngine:
 
     # ---- speculative decoding (ascq/runtime/spec_decode/) ----------------------------------------------
 
-    def _init_speculation(self, custom_sampler: Callable | None) -> None:
-        self.proposer = self.rejection_sampler = None
-        self.num_spec_drafts = self.num_spec_draft_tokens = self.num_spec_accepted_tokens = 0
-        config = self.args.speculative_config
-        if config is None:
-            return
-        if custom_sampler is not None:
-            raise AscqError("a custom sampler cannot be combined with speculative_config (it cannot verify drafts)")
-        from ascq.runtime.spec_decode import make_proposer
-        from ascq.runtime.spec_decode.rejection_sampler import RejectionSampler
-
-        self.proposer = make_proposer(config, self)
-        self.rejection_sampler = RejectionSampler(self.sampler)
-
-    def _verify(self, logits: torch.Tensor, sampling: list[Request], scheduled: Any) -> list[list[Any]]:
-        """Tokens per sampled request: the sampler's one for requests without proposals, the rejection
-        sampler's accepted run + one for the others; their rejected KV is rolled back."""
-        spec_of = {id(r): spec for r, spec in zip(scheduled.requests, scheduled.spec_token_ids, strict=True)}
-        specs = [spec_of[id(r)] for r in sampling]
-        starts = [0]
-        for spec in specs:
-            starts.append(starts[-1] + 1 + len(spec))
-        plain = [i for i, spec in enumerate(specs) if not spec]
-        verified = [i for i, spec in enumerate(specs) if spec]
-        results: list[list[Any]] = [[] for _ in sampling]
-        if plain:
-            rows = torch.tensor([starts[i] for i in plain], device=logits.device)
-            for i, result in zip(plain, self._sample(logits[rows], [sampling[i] for i in plain]), strict=True):
-                results[i] = [result]
-        if verified:
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in verified]).to(logits.device)
-            requests = [sampling[i] for i in verified]
-            probs = [r.spec_token_probs[: len(specs[i])] if r.spec_token_probs is not None else None
-                     for i, r in zip(verified, requests, strict=True)]
-            accepted = self.rejection_sampler(logits[rows], requests, [specs[i] for i in verified], probs)
-            for i, tokens in zip(verified, accepted, strict=True):
-                results[i] = tokens
-                self.num_spec_drafts += 1
-                self.num_spec_draft_tokens += len(specs[i])
-                self.num_spec_accepted_tokens += len(tokens) - 1
-        return results
-
-    def _propose(self, scheduled: Any, sampling: list[Request]) -> None:
-        """Roll back rejected KV, then propose the next tokens for every request that just got one."""
+    def _speculate(self, scheduled: Any, sampling: list[Request]) -> None:
+        """Roll back rejected KV, then propose the next tokens for every request that just got one
+        (structured-output requests run without proposals: their grammar would have to walk the drafts)."""
         for request, spec in zip(scheduled.requests, scheduled.spec_token_ids, strict=True):
             if spec and not request.is_finished:
                 self.scheduler.rollback_rejected(request)
             request.spec_token_ids, request.spec_token_probs = [], None
-        # structured-output requests run without proposals (their grammar would have to walk the drafts)
         running = [r for r in sampling if not r.is_finished and id(r) not in self.structured.matchers]
-        if not running:
-            return
-        # room left: the last emitted token plus the proposals must stay within max_tokens and max_model_len
-        room = [min(r.params.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) - 1 for r in running]
-        for request, (tokens, probs) in zip(running, self.proposer.propose(running, room), strict=True):
-            request.spec_token_ids, request.spec_token_probs = tokens, probs
-
-    def spec_decode_stats(self) -> dict[str, float | int]:
-        drafts, proposed, accepted = self.num_spec_drafts, self.num_spec_draft_tokens, self.num_spec_accepted_tokens
-        return {
-            "spec_decode_num_drafts": drafts,
-            "spec_decode_num_draft_tokens": proposed,
-            "spec_decode_num_accepted_tokens": accepted,
-            "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
-            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
-        }
+        self.speculator.propose(running, self.max_model_len)
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes (none in a single process)."""
@@ -372,5 +265,5 @@ class LLMEngine:
             "num_generation_tokens": self.num_generation_tokens,
             "num_cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
             "num_computed_tokens": self.scheduler.num_tokens_run,
-            **self.spec_decode_stats(),
+            **(self.speculator.stats() if self.speculator else spec_decode_stats()),
         }
