@@ -105,3 +105,14 @@ def test_cli_recipes_lists_names_and_descriptions(capsys):
     for name, description in list_recipes():
         assert any(line.startswith(name + " ") and line.endswith(description) for line in out.splitlines())
     assert all(name in out for name in SHIPPED)
+
+
+def test_shipped_recipes_take_the_one_ignore_default():
+    """The ignore default lives in ascq/core/architecture.py; no shipped recipe writes it again."""
+    from ascq.core.architecture import DEFAULT_IGNORE
+    from ascq.paths import shipped_recipes
+
+    for name, path in shipped_recipes().items():
+        assert "ignore:" not in path.read_text(), name
+        schemes = [s for m in load_recipe(name).modifiers if (s := m.quant_scheme()) is not None]
+        assert all(s.ignore == list(DEFAULT_IGNORE) for s in schemes), name

@@ -12,9 +12,13 @@ from ascq.core.errors import AscqError, UnsupportedError
 MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "deepseek": "Deepseek"}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 
-# Modules no recipe quantizes unless it names its own `ignore` list (llm-compressor's defaults): the LM head and
-# the MoE router (`mlp.gate`, a linear of E outputs). Embeddings are not linears and are never quantized.
+# The `ignore` default of every recipe that names none (llm-compressor's): the LM head and the MoE router
+# (`mlp.gate`, whose logits pick the experts) stay full precision in every family.
 DEFAULT_IGNORE = ("lm_head", "re:.*mlp\\.gate$")
+# Never quantized whatever a recipe says, and always written to a checkpoint's `ignore`, so that a loader which
+# quantizes every matching module (transformers, vLLM) keeps them full precision too: with tied embeddings the
+# checkpoint has no lm_head tensor, and an `ignore` without it made transformers quantize the head.
+NEVER_QUANTIZED = ("lm_head", "model.embed_tokens", "re:.*mlp\\.gate$")
 
 # Tensor parallelism (Megatron's split, as vLLM): column-parallel linears split their outputs, row-parallel ones
 # their inputs; everything else is replicated, except the embedding and LM head (split over the vocabulary).

@@ -17,6 +17,7 @@ from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 from pydantic import ValidationError
 from torch import nn
 
+from ascq.core import architecture
 from ascq.core.errors import AscqError, UnsupportedError
 from ascq.core.qmath import block_aligned_group_size, float_zero_point
 from ascq.formats import compressed_tensors as ct
@@ -24,12 +25,8 @@ from ascq.formats.manifest import group_size_fit_text
 from ascq.quantize import observer
 
 DEFAULT_TARGETS = ["Linear"]
-# lm_head and embeddings stay full precision, as does the MoE router (its logits pick the experts).
-DEFAULT_IGNORE = ["lm_head", "re:.*mlp\\.gate$"]
-# ... and whatever a recipe says, these are never quantized and always written to `ignore`, so that a loader which
-# quantizes every matching module (transformers, vLLM) keeps them full precision too: with tied embeddings the
-# checkpoint has no lm_head tensor, and an `ignore` without it made transformers quantize the head (perplexity inf).
-ALWAYS_IGNORE = ["lm_head", "model.embed_tokens", "re:.*mlp\\.gate$"]
+DEFAULT_IGNORE = list(architecture.DEFAULT_IGNORE)
+ALWAYS_IGNORE = list(architecture.NEVER_QUANTIZED)
 SUPPORTED_PRESETS = ("W8A8", "W4A16", "W4A16_ASYM", "W8A16", "W4A8")
 # A modifier's `zp_dtype` (compressed-tensors' `QuantizationArgs.zp_dtype`, for every group it declares; a config
 # group's `weights.zp_dtype` sets one group's): `auto` lets the planner choose (`fit_group_sizes`: float for a source

@@ -21,7 +21,7 @@ from typing import Any
 
 from compressed_tensors.quantization import QuantizationArgs
 
-from ascq.core.architecture import head_dim_of
+from ascq.core.architecture import NEVER_QUANTIZED, head_dim_of, is_ignored
 from ascq.core.errors import AscqError
 from ascq.core.qmath import fitted_group_size, linear_group_size
 from ascq.formats import compressed_tensors as ct
@@ -36,7 +36,6 @@ from ascq.formats.manifest import (
 from ascq.quantize.layout import Shape, checkpoint_tensors
 
 BF16_BYTES = 2
-EXCLUDED_LINEARS = ("lm_head", "mlp.gate")
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ def num_parameters(config: dict[str, Any], tensors: Sequence[tuple[str, Shape]] 
 
 def _is_quantized(name: str, shape: Shape) -> bool:
     module = name.removesuffix(".weight")
-    return len(shape) == 2 and not module.endswith(EXCLUDED_LINEARS) and "embed_tokens" not in module
+    return len(shape) == 2 and not is_ignored(module, NEVER_QUANTIZED)
 
 
 def recipe_scheme(config: dict[str, Any], recipe: str | None,

@@ -17,10 +17,16 @@ import math
 import re
 from typing import Any
 
-from ascq.core.architecture import divide, head_dim_of, kv_heads_per_rank, stage_layers
+from ascq.core.architecture import (
+    NEVER_QUANTIZED,
+    divide,
+    head_dim_of,
+    is_ignored,
+    kv_heads_per_rank,
+    stage_layers,
+)
 from ascq.zoo.planned import (
     BF16_BYTES,
-    EXCLUDED_LINEARS,
     WeightScheme,
     checkpoint_tensors,
     recipe_scheme,
@@ -68,7 +74,7 @@ def _kv_heads(config: dict[str, Any], tp: int) -> int:
 
 def _quantized(name: str, shape: tuple[int, ...], scheme: WeightScheme | None) -> bool:
     module = name.removesuffix(".weight")
-    return scheme is not None and len(shape) == 2 and not module.endswith(EXCLUDED_LINEARS) and "embed_tokens" not in module
+    return scheme is not None and len(shape) == 2 and not is_ignored(module, NEVER_QUANTIZED)
 
 
 def _tensor_bytes(name: str, shape: tuple[int, ...], scheme: WeightScheme | None) -> int:
