@@ -103,7 +103,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)
-        if torch.is_grad_enabled():  # training (`zoo.train_fixture`): autograd keeps the activation's input
+        if torch.is_grad_enabled():  # training (tests/fixtures/train_fixture.py): autograd keeps the activation's input
             return self.down_proj(F.silu(gate) * self.up_proj(x))
         return self.down_proj(F.silu(gate, inplace=True).mul_(self.up_proj(x)))  # the same values, two fewer tensors
 
