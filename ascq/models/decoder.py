@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_size, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=shape.o_bias)
         # the converter's calibration forwards (`pipeline.fast_layer`): torch's fused causal attention in this dtype,
-        # ~7x faster on the CPU, equal to `causal_attention` up to float rounding (not bit for bit); None: off
+        # several times faster on the CPU, equal to `causal_attention` up to float rounding (not bit for bit); None: off
         self.fused_attention: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:

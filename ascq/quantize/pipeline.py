@@ -66,10 +66,9 @@ def return_freed_memory_to_os() -> None:
     experts (`Architecture.has_routed_experts`), whose tensors vary in size with each expert's routed tokens.
 
     With glibc's default (a threshold that grows to 32 MiB), those many tensor-sized temporaries of a layer are
-    carved out of the heap and fragment it: peak RSS on deepseek-moe-16b shapes doubled (8.8 vs 4.0 GiB, 2 layers).
-    A dense layer allocates the same shapes in every layer, which the heap reuses; there the threshold only made
-    every temporary page-fault in fresh (SmolLM2 w4a16-gptq, 16 x 512 tokens: a layer's forward 0.27 vs 0.37-0.41 s,
-    the whole convert 21-22 vs 29-31 s, peak RSS 1.8 GiB either way).
+    carved out of the heap and fragment it: peak RSS on deepseek-moe-16b shapes doubled. A dense layer allocates the
+    same shapes in every layer, which the heap reuses; there the threshold only made every temporary page-fault in
+    fresh (slower, with the same peak RSS). Measurements: docs/benchmarks.md.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -124,11 +123,10 @@ def check_calibration_dtype(choice: str) -> None:
 
 def calibration_gemm_dtype(choice: str, device: str, recipe: ComposedRecipe) -> torch.dtype:
     """The dtype of the linears' products in the converter's forwards (`--calibration-dtype`). auto: bfloat16 on a
-    CPU whose bf16 GEMM outruns its fp32 GEMM (`cpu.BF16_GEMM_FAST`; SmolLM2's 8192 x 576 x 1536 on a 2-core AMD
-    EPYC VM with AVX-512 BF16: 23 vs 148 ms) when every modifier of the recipe keeps its quality with them
-    (`Modifier.calibrates_in_bf16`: GPTQ), else float32. Measured on SmolLM2: AWQ's α search compares block-output
-    losses, which bf16 products blur (awq-int4 33.121 vs 32.563 with fp32), and SmoothQuant's w8a8 went from +2.77 %
-    to +3.36 % over full precision (32 x 512 calibration, GPL-3)."""
+    CPU whose bf16 GEMM outruns its fp32 GEMM (`cpu.BF16_GEMM_FAST`: AMX or AVX-512 BF16) when every modifier of the
+    recipe keeps its quality with them (`Modifier.calibrates_in_bf16`: GPTQ), else float32. Measured on SmolLM2
+    (docs/benchmarks.md): AWQ's α search compares block-output losses, which bf16 products blur, and SmoothQuant's
+    w8a8 lost perplexity with them."""
     check_calibration_dtype(choice)
     if choice == "auto":
         bf16 = all(m.calibrates_in_bf16 for m in recipe.modifiers)
@@ -140,7 +138,7 @@ def fast_layer(layer: nn.Module, gemm_dtype: torch.dtype = torch.float32) -> nn.
     """The layer set up for the converter's forwards: torch's fused attention kernel (`decoder.Attention.
     fused_attention`: the same function up to float rounding, several times faster than the reference backend's
     attention), and with a `gemm_dtype` other than float32 the attention and every linear's product in that dtype
-    (`gemm_in`; bf16 attention on SmolLM2's 16 x 512 calibration tokens: 70 vs 103 ms per layer)."""
+    (`gemm_in`)."""
     casts: dict = {}  # linears reading one tensor (q/k/v, gate/up) round it once
     for module in layer.modules():
         if hasattr(module, "fused_attention"):

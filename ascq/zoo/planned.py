@@ -83,7 +83,7 @@ class WeightScheme:
 
 @functools.cache
 def _linear_bytes(scheme: WeightScheme, out_features: int, in_features: int) -> int:
-    """Memoized: a MoE checkpoint has tens of thousands of linears of a few shapes, and each library call costs ~0.1 ms."""
+    """Memoized: a MoE checkpoint has tens of thousands of linears of a few shapes, and each library call is slow."""
     return ct.linear_bytes(scheme.weight_args(), scheme.activation_args(), out_features, in_features)
 
 

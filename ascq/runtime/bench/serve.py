@@ -106,8 +106,8 @@ async def _served_model(session: aiohttp.ClientSession, base_url: str) -> str:
 
 async def _stream_request(session: aiohttp.ClientSession, model: str, prompt: list[int],
                           output_len: int) -> RequestResult:
-    """One streamed completion (aiohttp, as vLLM's benchmark client: httpx's per-event cost was ~0.25 ms, a
-    quarter core at 1000 tok/s on the machine the server shares)."""
+    """One streamed completion (aiohttp, as vLLM's benchmark client: httpx's per-event cost took a sizeable share
+    of a core on the machine the server shares)."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(ok=False)

@@ -33,8 +33,8 @@ logger = logging.getLogger("ascq.runtime")
 
 MAX_GRAPH_BATCH = 4
 """Larger decode batches run eagerly: from batch 8 the dense bf16 linears leave the native kernel for an fp32 GEMM,
-which the compiled graph ran at 0.59x eager's speed and with other rounding (greedy tokens changed) on SmolLM2
-(README, decode graphs); a small model's per-op overhead matters most at small batches anyway."""
+which the compiled graph ran slower than eager and with other rounding (greedy tokens changed) on SmolLM2
+(docs/benchmarks.md, decode graphs); a small model's per-op overhead matters most at small batches anyway."""
 RECOMPILE_LIMIT = 64  # graphs per layer code object: (first layer or not) x (batch 1, larger) x kernel thresholds
 
 

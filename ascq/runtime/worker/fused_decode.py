@@ -1,7 +1,8 @@
 """Fused decode (CPU): a pure decode step's whole Llama decoder stack in one native call (ascq/kernels/fused_decode.c).
 
-Why: at batch 1 an eager SmolLM2 layer is ~25 torch ops and 5 native calls from Python (~0.8 ms a layer), while
-its int4 weights stream in ~0.1 ms; in one call the step's layers cost what their kernels cost. The C code runs the
+Why: at batch 1 an eager layer of a small model is a few dozen torch ops and native calls from Python, which cost
+several times what streaming its int4 weights costs; in one call the step's layers cost what their kernels cost
+(measurements: docs/benchmarks.md). The C code runs the
 eager path's kernels and rounds to bf16 where eager does, so tokens are the eager path's (tests/test_fused_decode.py).
 
 Used for a step when all of these hold, else the step runs eagerly, unchanged:
