@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_support import needs_native
 
 from ascq.kernels import cpu, native
 
 LIB = native.load()
-pytestmark = pytest.mark.skipif(LIB is None, reason="native kernels need x86-64 AVX2 and a C compiler")
+pytestmark = needs_native
 
 
 @pytest.mark.parametrize("shape", [(96, 64), (130, 576), (7, 1536)])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from native_support import needs_native
 
 from ascq import LLM, SamplingParams
 from ascq.kernels import cpu, native
@@ -61,7 +62,6 @@ def rows_bound_of_at_least_eight(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu, "DENSE_BF16_MAX_M", max(cpu.DENSE_BF16_MAX_M, 8))
 
 
-needs_native = pytest.mark.skipif(native.load() is None, reason="the native kernels need x86-64 AVX2 and a C compiler")
 
 
 @needs_native

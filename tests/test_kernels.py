@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from native_support import needs_native, skip_without_native
 
 from ascq.core.errors import AscqError, UnsupportedError
 from ascq.kernels import WEIGHT_BITS, QuantLinearWeights, cpu, get_backend, merge_output_dim
@@ -163,6 +164,8 @@ def test_cpu_linear_works_after_use_under_inference_mode():
 )
 def test_cpu_backend_picks_the_fast_kernels(scheme, group_size, dtype, kernel):
     """The comparisons above only prove speed-ups if the fast kernels are the ones that ran."""
+    if kernel == "native":
+        skip_without_native()
     w = make_weights(scheme, 64, 256, group_size)
     prepared = get_backend("cpu").prepare_linear(w, dtype)
     assert prepared.kernel == kernel
@@ -188,6 +191,7 @@ def test_weight_only_falls_back_to_torch_kernels_without_the_native_kernel(monke
         assert rel_error(cpu.linear(x, prepared), ref.linear(x, ref.prepare_linear(w, torch.bfloat16))) < 2e-2
 
 
+@needs_native
 @pytest.mark.parametrize("bits", [4, 8])
 def test_native_packing_round_trips_and_builds_into_its_cache_dir(tmp_path, bits):
     import os
@@ -217,7 +221,9 @@ def test_native_packing_round_trips_and_builds_into_its_cache_dir(tmp_path, bits
     code = "from ascq.kernels import native; assert native.load() is not None"
     env = {**os.environ, "ASCQ_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
-    assert [f.suffix for f in tmp_path.iterdir()] == [".so"]  # no temporary file left behind
+    builds = sorted(f.name.split("-")[1] for f in tmp_path.iterdir())
+    assert all(f.suffix == ".so" for f in tmp_path.iterdir())  # no temporary file left behind
+    assert builds == sorted({"avx2", native.variant()})  # the AVX2 build reads the CPU, then the chosen one
     env["ASCQ_NATIVE_KERNELS"] = "0"
     code = "from ascq.kernels import native; assert native.load() is None"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
@@ -364,6 +370,8 @@ def test_cpu_decode_attention_native_and_torch_paths(monkeypatch, cache_dtype, n
 
     cpu = get_backend("cpu")
     if native_available:
+        skip_without_native()
+
         def must_not_run(*args):
             raise AssertionError("torch decode path used although the native kernel is available")
 
@@ -390,6 +398,7 @@ def test_cpu_decode_attention_native_and_torch_paths(monkeypatch, cache_dtype, n
         assert rel_error(out[s:s + 1], expected) < (1e-5 if dtype == torch.float32 else 2e-2), f"sequence {s}"
 
 
+@needs_native
 def test_native_decode_attention_rejects_block_ids_outside_the_cache():
     from ascq.kernels import native
 
@@ -498,8 +507,7 @@ def bf16_gemm(monkeypatch):
 def test_native_bf16_dequantization_is_torch_dequantization_rounded(bits, zeros):
     from ascq.kernels import native
 
-    if native.load() is None:
-        pytest.skip("no native kernel library on this host")
+    skip_without_native()
     gen = torch.Generator().manual_seed(bits)
     low, high = (-8, 8) if bits == 4 else (-128, 128)
     q = torch.randint(low, high, (13, 128), generator=gen)  # 13: a padded last tile

@@ -9,6 +9,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "ascq_kernels.h"
 #include "simd.h"
 
 #define CHUNK_COLUMNS 256

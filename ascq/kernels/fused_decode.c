@@ -19,42 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ascq_kernels.h"
 #include "simd.h"
-
-void ascq_quantize_rows(const void *x, int is_bf16, int num_rows, int k, int group_size, int16_t *xq, float *xscale,
-                        int32_t *xsum);
-void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w, int bits,
-                              const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
-                              int num_rows, int n, int k, int group_size, int j0, int j1);
-int ascq_weight_only_shapes_ok(int bits, int k, int group_size);
-int ascq_weight_only_chunk_columns(int n, int num_threads);
-void ascq_bf16_columns(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int j0, int j1);
-int ascq_attention_heads_per_task(int num_seqs, int num_heads, int num_threads);
-void ascq_attend_task(int task, int heads_per_task, const float *query, const void *k_cache, const void *v_cache,
-                      int dtype, const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int num_heads,
-                      int num_kv_heads, int head_dim, int block_size, float scale, float k_scale, float v_scale,
-                      const float *fp8_values, float *scores, float *out);
-
-typedef struct {
-    int kind;  // 0: dense bf16 weight [n, k]; 4 or 8: weight-only bits (weight_only_mm.c layout)
-    int n, k, group_size, scales_bf16, zeros_kind;
-    const void *weight, *scales, *zeros;  // as ascq_weight_only_mm takes them (its tiled layout); zeros may be NULL
-    const float *bias;                    // may be NULL
-} ascq_fused_linear;
-
-typedef struct {
-    ascq_fused_linear qkv, o, gate_up, down;
-    const uint16_t *input_norm, *post_norm;  // bf16 [hidden]
-    uint16_t *k_cache, *v_cache;             // bf16 [num_cache_blocks, block_size, num_kv_heads, head_dim]
-} ascq_fused_layer;
-
-typedef struct {
-    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, num_cache_blocks;
-    float eps, attn_scale;
-    const uint16_t *silu_table;  // bf16 silu of every bf16 bit pattern
-    const ascq_fused_layer *layers;
-    const uint16_t *final_norm;  // bf16 [hidden]: the model's norm after the last layer
-} ascq_fused_model;
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;

@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stddef.h>
 
+#include "ascq_kernels.h"
+
 static void columns(float *w, int out, int block_rows, int first, int last, const float *u, int u_stride, float *err,
                     const float *scales, const float *zeros, const int *group_of, int float_zero_point, float q_min,
                     float q_max, int j_begin, int j_end) {

@@ -9,6 +9,7 @@
 #include <float.h>
 #include <stddef.h>
 
+#include "ascq_kernels.h"
 #include "simd.h"
 
 /* log2(x) for normal x > 0: x = m 2^e with m in [sqrt(1/2), sqrt(2)), log2 m = 2/ln2 atanh(t), t = (m-1)/(m+1),

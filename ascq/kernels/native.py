@@ -23,11 +23,13 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +40,85 @@ from ascq.atomic_file import atomic_output
 SOURCES = [Path(__file__).with_name(name)
            for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c", "gptq_columns.c",
                         "group_quant_error.c")]
-HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of the build's cache key
+HEADER = Path(__file__).with_name("ascq_kernels.h")  # the ABI: prototypes and structs, declared once
+HEADERS = [HEADER, Path(__file__).with_name("simd.h")]  # included by the sources: part of the build's cache key
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# One build per instruction set, the same sources (AVX2 intrinsics; the compiler may use AVX-512 where allowed),
+# chosen at run time from the CPU's features (`ascq_cpu_features`), best first. Results are the same bits.
+VARIANTS = {
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16", "avx512vnni"),
+    "avx2": ("avx2", "fma", "f16c"),
+}
+FEATURE_BITS = {"avx2": 1, "fma": 2, "f16c": 4, "avx512f": 8, "avx512bw": 16, "avx512vl": 32, "avx512bf16": 64,
+                "avx512vnni": 128}  # ascq_kernels.h's ASCQ_CPU_* (tests/test_native_abi.py checks they agree)
+CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "void": None}
+
+
+def flags(variant: str) -> list[str]:
+    return [*COMMON_FLAGS, *(f"-m{feature}" for feature in VARIANTS[variant])]
+
+
+def choose_variant(features: set[str]) -> str | None:
+    """The best build this CPU runs, or None (no AVX2 + FMA + F16C: torch's ops instead)."""
+    return next((name for name, needs in VARIANTS.items() if set(needs) <= features), None)
+
+
+def features_of(mask: int) -> set[str]:
+    return {name for name, bit in FEATURE_BITS.items() if mask & bit}
+
+
+def _c_type(declaration: str) -> Any:
+    """ctypes type of a C parameter or return type: any pointer is a void pointer; int and float by value."""
+    if "*" in declaration:
+        return ctypes.c_void_p
+    base = declaration.replace("const", "").split()[0]
+    return CTYPES[base]
+
+
+def parse_api(header: str) -> dict[str, tuple[Any, list[Any]]]:
+    """{name: (restype, argtypes)} of every `ASCQ_API` prototype in the header text."""
+    api = {}
+    for ret, name, params in re.findall(r"ASCQ_API\s+(\w+)\s+(\w+)\(([^)]*)\);", header):
+        args = [] if params.strip() in ("", "void") else [_c_type(p.rsplit(" ", 1)[0] if "*" not in p else p)
+                                                          for p in params.split(",")]
+        api[name] = (_c_type(ret), args)
+    return api
+
+
+def parse_structs(header: str) -> dict[str, list[tuple[str, str]]]:
+    """{struct name: [(field, C type)]} of the header's `typedef struct {...} name;` definitions, in order."""
+    structs = {}
+    for body, name in re.findall(r"typedef struct \{(.*?)\}\s*(\w+);", header, re.S):
+        fields = []
+        for declaration in re.sub(r"//[^\n]*", "", body).split(";"):
+            declaration = declaration.strip()
+            if not declaration:
+                continue
+            head, *rest = declaration.split(",")
+            type_name, first = head.replace("const ", "").rsplit(None, 1)
+            for field in [first, *rest]:
+                field = field.strip()
+                fields.append((field.lstrip("*"), type_name + ("*" if field.startswith("*") else "")))
+        structs[name] = fields
+    return structs
+
+
+@functools.cache
+def structures() -> dict[str, type[ctypes.Structure]]:
+    """ctypes classes of the header's structs (`parse_structs`): a field of a struct type nests it, a pointer to
+    one is a POINTER to it, any other pointer a void pointer."""
+    classes: dict[str, type[ctypes.Structure]] = {}
+    for name, fields in parse_structs(HEADER.read_text()).items():
+        members = []
+        for field, c_type in fields:
+            base = c_type.rstrip("*")
+            if base in classes:
+                members.append((field, ctypes.POINTER(classes[base]) if c_type.endswith("*") else classes[base]))
+            else:
+                members.append((field, _c_type(c_type)))
+        classes[name] = type(name, (ctypes.Structure,), {"_fields_": members})
+    return classes
 
 
 def _cache_dir() -> Path:
@@ -48,61 +126,87 @@ def _cache_dir() -> Path:
     return envs.ASCQ_CACHE_DIR or default
 
 
-def _compile(compiler: str) -> Path:
+def _compile(compiler: str, variant: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [source.read_text() for source in [*SOURCES, *HEADERS]]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, version]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"ascq_kernels-{key}.so"
+    key = hashlib.sha256("\0".join([*texts, *flags(variant), version]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"ascq_kernels-{variant}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(target) as tmp:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *flags(variant), *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
+                       check=True)
     return target
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, (restype, argtypes) in parse_api(HEADER.read_text()).items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    return lib
+
+
+def _build(compiler: str, variant: str) -> ctypes.CDLL:
+    """The `variant` build, compiled on first use; OSError or CalledProcessError when it cannot be built or loaded."""
+    return _declare(ctypes.CDLL(str(_compile(compiler, variant))))
+
+
+def _build_error(exc: Exception) -> str:
+    return " ".join((getattr(exc, "stderr", "") or str(exc)).split())[:200]
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None where it cannot run (reason given once as a warning)."""
+    """The kernel library built for this CPU (`variant()`), or None where it cannot run (one warning says why).
+    The AVX2 build runs first to read the CPU's features; an AVX-512 CPU then loads its own build."""
     if not envs.ASCQ_NATIVE_KERNELS:
+        _unavailable("ASCQ_NATIVE_KERNELS=0")
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
-        warnings.warn("ascq native CPU kernel unavailable (needs x86-64 and a C compiler); using torch's kernels",
-                      stacklevel=2)
+        _unavailable(f"they need x86-64 and a C compiler; this is {platform.machine()}"
+                     + ("" if compiler else " without one"))
         return None
     try:
-        lib = ctypes.CDLL(str(_compile(compiler)))
+        lib = _build(compiler, "avx2")
     except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        warnings.warn(f"ascq native CPU kernel failed to build ({detail.strip()[:200]}); using torch's kernels",
-                      stacklevel=2)
+        _unavailable(f"the avx2 build failed: {_build_error(exc)}")
         return None
-    if not lib.ascq_cpu_supported():
-        warnings.warn("ascq native CPU kernel unavailable (this CPU lacks AVX2/FMA); using torch's kernels", stacklevel=2)
+    features = features_of(lib.ascq_cpu_features())
+    chosen = choose_variant(features)
+    if chosen is None:
+        _unavailable(f"this CPU lacks {', '.join(sorted(set(VARIANTS['avx2']) - features))}")
         return None
-    lib.ascq_weight_only_mm.restype = ctypes.c_int
-    lib.ascq_weight_only_mm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.ascq_weight_only_mm.argtypes += [ctypes.c_void_p, ctypes.c_int] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 5
-    lib.ascq_dequantize_bf16.restype = ctypes.c_int
-    lib.ascq_dequantize_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int] * 2
-    lib.ascq_dequantize_bf16.argtypes += [ctypes.c_void_p] + [ctypes.c_int] * 4
-    lib.ascq_bf16_mm.restype = ctypes.c_int
-    lib.ascq_bf16_mm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    lib.ascq_paged_decode_attention.restype = ctypes.c_int
-    lib.ascq_paged_decode_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
-    lib.ascq_paged_decode_attention.argtypes += [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
-    lib.ascq_paged_decode_attention.argtypes += [ctypes.c_float] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
-    lib.ascq_fused_decode.restype = ctypes.c_int
-    lib.ascq_fused_decode.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
-    lib.ascq_fused_decode.argtypes += [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
-    lib.ascq_gptq_columns.restype = ctypes.c_int
-    lib.ascq_gptq_columns.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
-    lib.ascq_gptq_columns.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_float] * 2 + [ctypes.c_int]
-    lib.ascq_group_quant_errors.restype = ctypes.c_int
-    lib.ascq_group_quant_errors.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
-    lib.ascq_group_quant_errors.argtypes += [ctypes.c_int] + [ctypes.c_float] * 3 + [ctypes.c_void_p, ctypes.c_int]
+    if chosen != "avx2":
+        try:
+            lib = _build(compiler, chosen)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            warnings.warn(f"ascq native CPU kernels: the {chosen} build failed ({_build_error(exc)}); using the avx2 "
+                          "build", stacklevel=2)
+            chosen = "avx2"
+    _VARIANT[0] = chosen
     return lib
+
+
+_VARIANT: list[str | None] = [None]
+_REASON: list[str] = [""]
+
+
+def variant() -> str | None:
+    """The build `load()` chose ("avx512", "avx2"), or None (no native kernels)."""
+    return _VARIANT[0] if load() is not None else None
+
+
+def unavailable_reason() -> str | None:
+    """Why `load()` gives no library (the warning's text), or None when it gives one."""
+    return None if load() is not None else _REASON[0]
+
+
+def _unavailable(reason: str) -> None:
+    _REASON[0] = reason
+    if reason != "ASCQ_NATIVE_KERNELS=0":
+        warnings.warn(f"ascq native CPU kernels unavailable ({reason}); using torch's kernels", stacklevel=3)
 
 
 @torch.compiler.assume_constant_result

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ascq_kernels.h"
 #include "simd.h"
 
 enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_F16 = 2, CACHE_FP8 = 3 };

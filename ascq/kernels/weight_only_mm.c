@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ascq_kernels.h"
 #include "simd.h"
 
 #define TILE 8
@@ -32,9 +33,15 @@
 
 enum { ZEROS_NONE = 0, ZEROS_INT8 = 1, ZEROS_BF16 = 2, ZEROS_FP32 = 3 };
 
-int ascq_cpu_supported(void) {
+int ascq_cpu_features(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return (__builtin_cpu_supports("avx2") ? ASCQ_CPU_AVX2 : 0) | (__builtin_cpu_supports("fma") ? ASCQ_CPU_FMA : 0) |
+           (__builtin_cpu_supports("f16c") ? ASCQ_CPU_F16C : 0) |
+           (__builtin_cpu_supports("avx512f") ? ASCQ_CPU_AVX512F : 0) |
+           (__builtin_cpu_supports("avx512bw") ? ASCQ_CPU_AVX512BW : 0) |
+           (__builtin_cpu_supports("avx512vl") ? ASCQ_CPU_AVX512VL : 0) |
+           (__builtin_cpu_supports("avx512bf16") ? ASCQ_CPU_AVX512BF16 : 0) |
+           (__builtin_cpu_supports("avx512vnni") ? ASCQ_CPU_AVX512VNNI : 0);
 }
 
 static inline __m256 load8_row(const void *x, int is_bf16, int i) {

@@ -33,22 +33,9 @@ from ascq.runtime.models.llama import DecoderLayer, DecoderModel, LlamaMLP
 KINDS = {"dense": 0}  # native kernels: their bit width
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in ("kind", "n", "k", "group_size", "scales_bf16", "zeros_kind")]
-    _fields_ += [(name, ctypes.c_void_p) for name in ("weight", "scales", "zeros", "bias")]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                                  "intermediate", "block_size", "num_cache_blocks")]
-    _fields_ += [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("silu_table", ctypes.c_void_p),
-                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
+_Linear = native.structures()["ascq_fused_linear"]  # the C structs, read from ascq_kernels.h
+_Layer = native.structures()["ascq_fused_layer"]
+_Model = native.structures()["ascq_fused_model"]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
