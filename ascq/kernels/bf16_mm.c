@@ -13,7 +13,7 @@
 #include "simd.h"
 
 #define CHUNK_COLUMNS 256
-#ifndef PREFETCH_BYTES  // SmolLM2's 3072x576 at M = 1, 2 threads, Xeon (AMX) VM: 13 GB/s at 1024, 18 at 4096-16384
+#ifndef PREFETCH_BYTES  // streams SmolLM2's M = 1 weights faster than 1 KiB did (docs/benchmarks.md)
 #define PREFETCH_BYTES 4096
 #endif
 #define MAX_ROWS 6  // 12 accumulators + 2 weight registers of AVX2's 16: k = 5 proposals verify in one pass

@@ -1,20 +1,19 @@
 """CPU backend: the fastest measured path per scheme and batch size M (AVX2 + FMA hosts; AMX hosts: see the end).
 
-Paths (thresholds from `python benchmarks/kernel_speed.py`; table in the README "Kernels" section):
+Paths (thresholds from `python benchmarks/kernel_speed.py`; measurements in docs/benchmarks.md):
 - `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2): below DENSE_BF16_MAX_M rows ascq's
-  native bf16 kernel (bf16_mm.c: each weight row read once for all rows, 2.8x torch at M=1, 3-4x at M=5), from
-  there the bf16 weight is copied into an fp32 workspace and multiplied in fp32 (crossover on SmolLM2's layers,
-  quiet Zen 2 host: 3072x576 at M=64 2.34 vs 2.34 ms, 576x1536 at M=32 0.69 vs 0.62 ms). The LM head (vocab x
-  hidden, so the per-call copy is large) uses the native kernel below LM_HEAD_BF16_MAX_M rows: 49152x576 at M=64
-  38 ms vs 57 ms copy + fp32 vs 242 ms torch bf16.
+  native bf16 kernel (bf16_mm.c: each weight row read once for all rows, several times torch at small M), from
+  there the bf16 weight is copied into an fp32 workspace and multiplied in fp32 (the crossover measured on
+  SmolLM2's layers). The LM head (vocab x hidden, so the per-call copy is large) uses the native kernel below
+  LM_HEAD_BF16_MAX_M rows, where it beats both the copy + fp32 GEMM and torch's bf16 GEMVs.
 - `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
   replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as per-token
-  16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, 1.5-2.5x torch's int4pack at M=1; from there
+  16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, faster than torch's int4pack at M=1; from there
   dequantize + fp32 GEMM from the packed copy (the only copy kept). Used when the kernel builds here (a C compiler, x86-64 with
   AVX2/FMA), else int4pack / int8pack:
 - `int4pack` (w4a16, out % 16 == 0, group 32/64/128/256, or per channel with in % 32 == 0 via replicated scales):
   aten._weight_int4pack_mm_for_cpu with bf16 activations below INT4PACK_MAX_M; from there dequantize + fp32 GEMM
-  is faster (1.7x at M=512), unpacking the int4pack copy itself (its layout is checked per layer at load; only if
+  is faster, unpacking the int4pack copy itself (its layout is checked per layer at load; only if
   it differs are the int8 values kept as well).
 - `int8pack` (w8a16 per-channel symmetric): aten._weight_int8pack_mm with bf16 activations below INT8PACK_MAX_M.
 - `fbgemm` (w8a8 static/dynamic, w4a8 dynamic, per channel): fbgemm's int8 GEMM with explicit input qparams, exact.
@@ -24,7 +23,7 @@ Paths (thresholds from `python benchmarks/kernel_speed.py`; table in the README 
   applied after the GEMM, so a token's result never depends on the rest of the batch.
 - `dequant`: everything else (fp32 activations for weight-only schemes, group sizes the kernels lack) and large M:
   dequantize into an fp32 workspace and run an fp32 GEMM on the (fake-quantized) activations.
-On hosts with AMX or AVX-512 BF16 (`BF16_GEMM_FAST`) torch's bf16 GEMM is 3-6x its fp32 GEMM, so large products run in bf16
+On hosts with AMX or AVX-512 BF16 (`BF16_GEMM_FAST`) torch's bf16 GEMM is several times its fp32 GEMM, so large products run in bf16
 instead: dense bf16 from DENSE_BF16_MAX_M rows, weight-only from BF16_GEMM_NATIVE_MAX_M rows (dequantized into bf16), the
 LM head from BF16_GEMM_LM_HEAD_MIN_M rows; activations of these schemes are bf16 already, the weights' dequantized values
 are rounded to bf16 (relative error 2^-9).
@@ -56,17 +55,17 @@ __all__ += ["write_kv_cache"]
 DENSE_BF16_MAX_M = 32
 LM_HEAD_BF16_MAX_M = 128
 INT4PACK_MAX_M = 256
-NATIVE_MAX_M = 512  # SmolLM2 3072x576 g32: native 3.5 vs 7.5 ms at M=128, 14.1 vs 16.8 at 512, 65 vs 54 at 2048
+NATIVE_MAX_M = 512  # the crossover with dequantize + fp32 GEMM on SmolLM2's shapes
 INT8PACK_MAX_M = 64
 # Where torch's bf16 GEMM runs on AMX tiles (`BF16_GEMM_FAST`), large products take it instead of the fp32 GEMM:
-BF16_GEMM_NATIVE_MAX_M = 24  # weight-only: native kernel below, bf16 dequantization + bf16 GEMM from here (SmolLM2's
-# 3072x576 g32: 0.81 vs 0.56 ms at M=32, 1.59 vs 0.65 at 64, 71 vs 4.5 at 2048; 576x1536: 0.23 vs 0.29 at M=16)
+# weight-only: the native kernel below, bf16 dequantization + bf16 GEMM from here (measured on SmolLM2's shapes)
+BF16_GEMM_NATIVE_MAX_M = 24
 BF16_GEMM_LM_HEAD_MIN_M = 8  # LM head: native bf16 kernel below, torch's bf16 GEMM from here
 # Linears on the bf16 GEMM path keep a bf16 copy of their weight (4x an int4 weight's bytes; dense bf16: a second
-# copy) while the process total stays within this budget, instead of dequantizing (and oneDNN repacking) on every call
-# (SmolLM2 W4A16 at batch 64: 34 ms of each decode step); past it they do that per call. 0 turns the copies off.
-# The kept copy is in oneDNN's blocked layout (packed for ONEDNN_PACK_ROWS rows: identical results, and on SmolLM2's
-# 3072x576 0.087 vs 0.152 ms at M = 24, 0.40 vs 0.51 at 256, 2.47 vs 2.49 at 2048 against per-call packing).
+# copy) while the process total stays within ASCQ_BF16_WEIGHT_CACHE_MB, instead of dequantizing (and oneDNN
+# repacking) on every call, a sizeable share of a batched decode step; past it they do that per call. 0 turns the
+# copies off. The kept copy is in oneDNN's blocked layout (packed for ONEDNN_PACK_ROWS rows: identical results,
+# faster than packing per call).
 ONEDNN_PACK_ROWS = 64
 _bf16_cache_bytes = 0
 FBGEMM_SPLIT_MAX_M = 256
@@ -86,9 +85,8 @@ def _workspace(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torc
 
 
 def _detect_bf16_gemm() -> str | None:
-    """Where torch's bf16 GEMM outruns its fp32 GEMM on this CPU, how: oneDNN runs it on AMX tiles ("amx": 2-core
-    Xeon VM, 2048x576x1536: 6.4 ms bf16 vs 39 ms fp32) or with AVX-512 BF16 dot products ("avx512_bf16": 2-core
-    AMD EPYC VM, 4096x576x1536: 225 vs 36 GFLOP/s while a build shared the cores); None without either (AVX2
+    """Where torch's bf16 GEMM outruns its fp32 GEMM on this CPU, how: oneDNN runs it on AMX tiles ("amx") or with
+    AVX-512 BF16 dot products ("avx512_bf16"), several times its fp32 GEMM either way; None without either (AVX2
     hosts: bf16 products run as GEMVs, several times slower than fp32). `ASCQ_BF16_GEMM=1|0` (read at import)
     forces the answer ("amx"'s thresholds when forced on)."""
     forced = envs.ASCQ_BF16_GEMM
@@ -102,12 +100,10 @@ def _detect_bf16_gemm() -> str | None:
 
 BF16_GEMM_KIND = _detect_bf16_gemm()
 BF16_GEMM_FAST = BF16_GEMM_KIND is not None  # a plain global: compiled decode graphs read it as a constant
-if BF16_GEMM_KIND == "avx512_bf16":  # the packed bf16 GEMM wins from a few rows (EPYC VM, SmolLM2's shapes, ms):
-    # weight-only 3072x576 g64: native 0.097 vs 0.089 at M=2, 0.186 vs 0.087 at 4, 0.343 vs 0.124 at 8;
-    # dense bf16 3072x576: 0.151 vs 0.145 at M=2, 0.21 vs 0.165 at 4, 0.44 vs 0.20 at 8
+if BF16_GEMM_KIND == "avx512_bf16":  # the packed bf16 GEMM wins from a few rows there (SmolLM2's shapes)
     BF16_GEMM_NATIVE_MAX_M, DENSE_BF16_MAX_M = 3, 4
-# torch's int8 GEMM (`torch._int_mm`, exact int32 sums) on VNNI hosts: 200-500 GFLOP/s on SmolLM2's shapes at 4096
-# rows against 60 for the fp32 GEMM (2-core AMD EPYC VM with avx512_vnni); not measured without VNNI
+# torch's int8 GEMM (`torch._int_mm`, exact int32 sums) on VNNI hosts: several times the fp32 GEMM on SmolLM2's
+# shapes; not measured without VNNI
 INT8_GEMM_FAST = bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
 
 

@@ -1,6 +1,7 @@
 """The cpu backend's paged attention: paged_sdpa's, except that decode rows (one query token per sequence) read the
-paged cache in place through the native kernel (paged_decode_attention.c) when it builds here. At batch 16-64 that
-is 3-5x torch's padded gathers + batched products (measured), which were most of a small model's decode step."""
+paged cache in place through the native kernel (paged_decode_attention.c) when it builds here. At batches of 16
+and more that is several times torch's padded gathers + batched products, which were most of a small model's decode
+step."""
 
 from __future__ import annotations
 

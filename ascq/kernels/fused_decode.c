@@ -1,9 +1,8 @@
 // A whole Llama decoder stack for one decode step (one token per sequence) in one call and one OpenMP region,
 // compiled with the other kernels by ascq/kernels/native.py; driven by ascq/runtime/fused_decode.py.
 //
-// Why it exists: at batch 1 a small model's eager layer is ~25 torch ops and 5 native calls from Python (~0.8 ms a
-// layer on SmolLM2, where its int4 weights take ~0.1 ms to stream), so dispatch, not arithmetic, sets the step
-// time. Here every layer runs rmsnorm -> qkv -> rotary -> paged KV write -> paged decode attention -> o_proj +
+// Why it exists: at batch 1 a small model's eager layer is a few dozen torch ops and native calls from Python,
+// which cost several times what streaming its int4 weights costs, so dispatch, not arithmetic, sets the step time. Here every layer runs rmsnorm -> qkv -> rotary -> paged KV write -> paged decode attention -> o_proj +
 // residual -> rmsnorm -> gate_up -> silu * up -> down with the same kernels (weight_only_mm.c, bf16_mm.c,
 // paged_decode_attention.c) and the eager path's bf16 rounding points, so its results are the eager path's:
 //   norms: torch's F.rms_norm on fp32 (squares summed in torch's order, see sum_squares), rounded to bf16, times

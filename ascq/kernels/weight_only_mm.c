@@ -224,8 +224,8 @@ void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const floa
 
 // Columns per chunk of an n-column product (whole tiles): CHUNKS_PER_THREAD chunks per thread. A chunk's weights
 // are one contiguous run, and at M = 1 the weights come from DRAM (a decode step streams more than the L3 holds),
-// where long runs matter: SmolLM2's 120 linears at M = 1 took 2.3-2.9 ms in 8-tile chunks with 1 KiB prefetch,
-// 1.4-1.8 ms in two chunks per thread with 4 KiB (2-core EPYC VM, each variant alternated over 3 rounds).
+// where long runs matter: two chunks per thread with a 4 KiB prefetch beat 8-tile chunks with 1 KiB clearly on
+// SmolLM2's linears at M = 1 (docs/benchmarks.md).
 int ascq_weight_only_chunk_columns(int n, int num_threads) {
     int num_tiles = (n + TILE - 1) / TILE, num_chunks = CHUNKS_PER_THREAD * num_threads;
     return (num_tiles + num_chunks - 1) / num_chunks * TILE;
