@@ -14,8 +14,8 @@ from ascq.core.errors import AscqError
 
 @contextlib.contextmanager
 def atomic_output(path: Path) -> Iterator[Path]:
-    """A temporary path beside `path` (unique per process and thread) to write; it replaces `path` when the block
-    succeeds, else it is removed."""
+    """A temporary path beside `path` (unique per process and thread) to write; it replaces `path` when the
+    block succeeds, else it is removed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:

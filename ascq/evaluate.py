@@ -1,13 +1,14 @@
 """Held-out perplexity protocol shared by fixture training, converters, tests and benchmarks.
 
-Tokens: `ascq/data/eval.txt` (documents joined by `<|endoftext|>`, which encodes as the special token) encoded as
-one stream with no added bos/eos. Windows: the stream is cut into `len // seq_len` non-overlapping windows of exactly
-`seq_len` tokens starting at token 0; the trailing partial window is dropped. Each window is scored on its own
-(fresh context, no bos prepended): position i predicts token i + 1, so a window contributes `seq_len - 1` predicted
-tokens. Perplexity = exp(sum of token NLLs / number of predicted tokens), log-softmax computed in float32.
+Tokens: `ascq/data/eval.txt` (documents joined by `<|endoftext|>`, which encodes as the special token) encoded
+as one stream with no added bos/eos. Windows: the stream is cut into `len // seq_len` non-overlapping windows
+of exactly `seq_len` tokens starting at token 0; the trailing partial window is dropped. Each window is scored
+on its own (fresh context, no bos prepended): position i predicts token i + 1, so a window contributes
+`seq_len - 1` predicted tokens. Perplexity = exp(sum of token NLLs / number of predicted tokens), log-softmax
+computed in float32.
 
-Unigram baseline: add-one smoothed unigram over the full vocabulary, p(t) = (count_train(t) + 1) / (N_train + V),
-fitted on training/calibration tokens and evaluated on every eval token: exp(-mean log p(t)).
+Unigram baseline: add-one smoothed unigram over the full vocabulary, p(t) = (count_train(t) + 1) / (N_train +
+V), fitted on training/calibration tokens and evaluated on every eval token: exp(-mean log p(t)).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def encode_text(tokenizer_or_dir: Any, text: str) -> torch.Tensor:
-    """Token ids of `text` without added special tokens; accepts a model/tokenizer folder or a tokenizer object."""
+    """Token ids of `text` without added special tokens; accepts a model/tokenizer folder or a tokenizer
+    object."""
     if isinstance(tokenizer_or_dir, (str, Path)):
         from tokenizers import Tokenizer
 
@@ -59,7 +61,9 @@ def eval_windows(token_ids: torch.Tensor, seq_len: int = 256) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(logits_fn: LogitsFn, token_ids: torch.Tensor, seq_len: int = 256, batch_size: int = 8) -> float:
+def perplexity(
+    logits_fn: LogitsFn, token_ids: torch.Tensor, seq_len: int = 256, batch_size: int = 8
+) -> float:
     """Held-out perplexity of `logits_fn` (input ids [batch, seq_len] -> logits [batch, seq_len, vocab])."""
     windows = eval_windows(token_ids, seq_len)
     total_nll, num_predicted = 0.0, 0

@@ -8,15 +8,18 @@ from ascq import envs
 PACKAGE_DIR = Path(__file__).resolve().parent
 PROJECT_DIR = PACKAGE_DIR.parent
 DATA_DIR = PACKAGE_DIR / "data"
-RECIPES_DIR = PACKAGE_DIR / "recipes"  # in a checkout a symlink to the project's recipes/; package data when installed
+RECIPES_DIR = (
+    PACKAGE_DIR / "recipes"
+)  # in a checkout a symlink to the project's recipes/; package data when installed
 EVAL_TEXT = DATA_DIR / "eval.txt"
 DEFAULT_MAX_EVAL_TOKENS = 8192  # convert's perplexity before/after reads this many eval tokens by default
 CALIB_TEXT = DATA_DIR / "calib.txt"
 
 
 def zoo_root() -> Path:
-    """The zoo folder: $ASCQ_ZOO, else the project's `zoo/` in a source checkout, else (a plain `pip install`, where
-    the package lives in site-packages) `$XDG_DATA_HOME/ascq/zoo`, by default `~/.local/share/ascq/zoo`."""
+    """The zoo folder: $ASCQ_ZOO, else the project's `zoo/` in a source checkout, else (a plain `pip install`,
+    where the package lives in site-packages) `$XDG_DATA_HOME/ascq/zoo`, by default
+    `~/.local/share/ascq/zoo`."""
     if envs.ASCQ_ZOO is not None:
         return envs.ASCQ_ZOO
     if (PROJECT_DIR / "pyproject.toml").is_file() and (PROJECT_DIR / "zoo").is_dir():
@@ -26,7 +29,8 @@ def zoo_root() -> Path:
 
 def portable_name(path: str | os.PathLike) -> str:
     """How a manifest or model card names a local file or folder, never by an absolute path: relative to the
-    project for its own data (`ascq/data/eval.txt`), a zoo entry by its name, anything else by its base name."""
+    project for its own data (`ascq/data/eval.txt`), a zoo entry by its name, anything else by its base
+    name."""
     text = str(path)
     resolved = Path(text).resolve()
     if not Path(text).exists():

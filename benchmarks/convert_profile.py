@@ -1,12 +1,14 @@
-"""Where `ascq convert`'s time goes: exclusive wall seconds per phase, on the first N decoder layers of a model.
+"""Where `ascq convert`'s time goes: exclusive wall seconds per phase, on the first N decoder layers of a
+model.
 
     OMP_NUM_THREADS=2 python benchmarks/convert_profile.py zoo/smollm2-135m-instruct --recipe awq-int4 \
         --num-samples 4 --seq-len 512 --layers 3
 
 The convert runs in this process (into a temporary folder) with timers wrapped around the converter's phases:
-(Without the perplexity before/after, `--no-eval`, as `compare_llmcompressor.py` times it.) Loading a layer, the modifiers' calibration forwards, SmoothQuant's scale math, AWQ's α-grid and clip search,
-GPTQ's Hessians and solve, round-to-nearest, writing, installing the quantized weights, the propagation forward.
-Times are exclusive (a phase inside another is subtracted from it); "other" is the rest of the convert call.
+(Without the perplexity before/after, `--no-eval`, as `compare_llmcompressor.py` times it.) Loading a layer,
+the modifiers' calibration forwards, SmoothQuant's scale math, AWQ's α-grid and clip search, GPTQ's Hessians
+and solve, round-to-nearest, writing, installing the quantized weights, the propagation forward. Times are
+exclusive (a phase inside another is subtracted from it); "other" is the rest of the convert call.
 """
 
 from __future__ import annotations
@@ -91,17 +93,28 @@ def main() -> None:
 
     convert.load_architecture = first_layers
     with tempfile.TemporaryDirectory(prefix="ascq-convert-profile-") as tmp:
-        options = convert.ConvertOptions(args.model, args.recipe, out=Path(tmp) / "out", num_samples=args.num_samples,
-                                         seq_len=args.seq_len, progress=False, evaluate=False)
+        options = convert.ConvertOptions(
+            args.model,
+            args.recipe,
+            out=Path(tmp) / "out",
+            num_samples=args.num_samples,
+            seq_len=args.seq_len,
+            progress=False,
+            evaluate=False,
+        )
         convert.convert = timed("other", convert.convert)
         start = time.perf_counter()
         convert.convert(options)
         total = time.perf_counter() - start
-    print(f"{' '.join(args.recipe)}, {args.layers} layers, {args.num_samples} x {args.seq_len} tokens, "
-          f"{torch.get_num_threads()} threads: {total:.1f} s")
+    print(
+        f"{' '.join(args.recipe)}, {args.layers} layers, {args.num_samples} x {args.seq_len} tokens, "
+        f"{torch.get_num_threads()} threads: {total:.1f} s"
+    )
     for phase, seconds in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
-        print(f"  {phase:40} {seconds:8.2f} s {100 * seconds / total:5.1f} %  ({CALLS[phase]} calls, "
-              f"{seconds / args.layers:.3f} s/layer)")
+        print(
+            f"  {phase:40} {seconds:8.2f} s {100 * seconds / total:5.1f} %  ({CALLS[phase]} calls, "
+            f"{seconds / args.layers:.3f} s/layer)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Run the kernel tests' comparisons on a CUDA GPU: the `cuda` backend (tensors on the GPU) against the `reference`
-backend (on the CPU) for every linear case x dtype x M, paged attention (block 16 / 128, fp8 cache, mixed batch),
-fp8 cache writes and MoE; CUDA graphs (`enforce_eager=False`) against eager greedy tokens on tiny-llama; then times a
-4096 x 4096 linear per scheme against dense bf16. Prints tables; exits 1 if any comparison fails. Needs no
-GPU-specific test setup; well under 2 minutes.
+"""Run the kernel tests' comparisons on a CUDA GPU: the `cuda` backend (tensors on the GPU) against the
+`reference` backend (on the CPU) for every linear case x dtype x M, paged attention (block 16 / 128, fp8
+cache, mixed batch), fp8 cache writes and MoE; CUDA graphs (`enforce_eager=False`) against eager greedy tokens
+on tiny-llama; then times a 4096 x 4096 linear per scheme against dense bf16. Prints tables; exits 1 if any
+comparison fails. Needs no GPU-specific test setup; well under 2 minutes.
 
     python benchmarks/cuda_check.py
 """
@@ -136,8 +136,9 @@ def check_moe(ref, cuda) -> None:
 
 
 def check_decode_graphs(ref, cuda) -> None:
-    """runtime/device_graphs.py's CUDA graphs vs eager: tiny-llama's greedy tokens over decode batches 6..1 (capture
-    sizes 1, 2, 4, 6: batches 3 and 5 replay padded). The test suite runs this code only on the NPU emulator."""
+    """runtime/device_graphs.py's CUDA graphs vs eager: tiny-llama's greedy tokens over decode batches 6..1
+    (capture sizes 1, 2, 4, 6: batches 3 and 5 replay padded). The test suite runs this code only on the NPU
+    emulator."""
     if DEVICE.type != "cuda":
         print("| decode graphs vs eager | skipped: needs a CUDA device | - | - |")
         return
@@ -147,8 +148,14 @@ def check_decode_graphs(ref, cuda) -> None:
     from ascq.paths import PROJECT_DIR
 
     def engine(enforce_eager: bool) -> LLM:
-        return LLM(str(PROJECT_DIR / "zoo" / "tiny-llama"), device=str(DEVICE), dtype="bfloat16",
-                   max_num_seqs=len(PROMPTS), kv_cache_memory=64 << 20, enforce_eager=enforce_eager)
+        return LLM(
+            str(PROJECT_DIR / "zoo" / "tiny-llama"),
+            device=str(DEVICE),
+            dtype="bfloat16",
+            max_num_seqs=len(PROMPTS),
+            kv_cache_memory=64 << 20,
+            enforce_eager=enforce_eager,
+        )
 
     llm = engine(enforce_eager=False)
     graphs = llm.engine.runner.device_graphs
@@ -191,7 +198,8 @@ def time_linears(cuda) -> None:
             times.append(start.elapsed_time(end) / 20)
         dense = dense or times[0]
         print(
-            f"| {scheme} | {prepared.kernel} | {times[0]:.3f} | {times[1]:.3f} | {times[2]:.3f} | {dense / times[0]:.2f} |"
+            f"| {scheme} | {prepared.kernel} | {times[0]:.3f} | {times[1]:.3f} | {times[2]:.3f} | "
+            f"{dense / times[0]:.2f} |"
         )
 
 

@@ -1,8 +1,9 @@
-"""Batch-1 decode micro-benchmark on a synthetic >= 1B-parameter Llama (TinyLlama-1.1B shapes, random weights built
-in memory), run through the engine's own model class (`ascq/runtime/models/llama.py`) and the `cpu` kernels:
-unquantized bf16 vs W4A16 (group 128) vs W8A16 vs W8A8 dynamic vs W4A8 dynamic. The lm_head and embeddings stay
-bf16 (as compressed-tensors recipes leave them). For each: decode tokens/s, weight bytes read per token, and the
-weight-streaming bound (measured memory bandwidth / bytes per token). Prints a markdown table.
+"""Batch-1 decode micro-benchmark on a synthetic >= 1B-parameter Llama (TinyLlama-1.1B shapes, random weights
+built in memory), run through the engine's own model class (`ascq/runtime/models/llama.py`) and the `cpu`
+kernels: unquantized bf16 vs W4A16 (group 128) vs W8A16 vs W8A8 dynamic vs W4A8 dynamic. The lm_head and
+embeddings stay bf16 (as compressed-tensors recipes leave them). For each: decode tokens/s, weight bytes read
+per token, and the weight-streaming bound (measured memory bandwidth / bytes per token). Prints a markdown
+table.
 
     OMP_NUM_THREADS=2 python benchmarks/decode.py [--schemes dense w4a16 ...] [--tokens 16] [--context 128]
 """
@@ -191,12 +192,14 @@ def main() -> None:
     )
     print()
     print(
-        "| scheme | params (B) | tokens/s | vs first | weight MB/token | streaming bound tokens/s | % of bound |"
+        "| scheme | params (B) | tokens/s | vs first | weight MB/token | streaming bound tokens/s | % of "
+        "bound |"
     )
     print("|---|---|---|---|---|---|---|")
     for scheme, num_params, tps, bytes_per_token, bound in rows:
         print(
-            f"| {scheme} | {num_params / 1e9:.2f} | {tps:.2f} | {tps / base:.2f}x | {bytes_per_token / 1e6:.0f} | "
+            f"| {scheme} | {num_params / 1e9:.2f} | {tps:.2f} | {tps / base:.2f}x | "
+            f"{bytes_per_token / 1e6:.0f} | "
             f"{bound:.2f} | {100 * tps / bound:.0f}% |"
         )
 

@@ -1,7 +1,8 @@
-"""Decode graphs vs eager: the same checkpoint loaded twice in one process (`enforce_eager=False` / `True`), batch-B
-greedy decode through the engine (`LLMEngine.step`), alternating rounds so load hits both alike. Per round and
-mode: the median decode-step time (prefill steps excluded); then min / median over rounds, the eager/graphs ratio,
-the graphs startup (compile) time, the load average, and whether the two modes produced identical tokens.
+"""Decode graphs vs eager: the same checkpoint loaded twice in one process (`enforce_eager=False` / `True`),
+batch-B greedy decode through the engine (`LLMEngine.step`), alternating rounds so load hits both alike. Per
+round and mode: the median decode-step time (prefill steps excluded); then min / median over rounds, the
+eager/graphs ratio, the graphs startup (compile) time, the load average, and whether the two modes produced
+identical tokens.
 
     OMP_NUM_THREADS=1 python benchmarks/decode_graphs.py --model zoo/smollm2-135m-instruct --dtype bfloat16 \\
         --batch 1 8 --rounds 5 --tokens 32
@@ -24,14 +25,18 @@ def decode_round(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
         engine.step()
     times, outputs = [], []
     while engine.scheduler.running:
         start = time.perf_counter()
         outputs += engine.step()
         times.append(time.perf_counter() - start)
-    tokens = sorted((o.request_id.split("-")[-1], tuple(o.outputs[0].token_ids)) for o in outputs if o.finished)
+    tokens = sorted(
+        (o.request_id.split("-")[-1], tuple(o.outputs[0].token_ids)) for o in outputs if o.finished
+    )
     return statistics.median(times), tokens
 
 
@@ -51,9 +56,11 @@ def run(model: str, dtype: str, batch: int, rounds: int, num_tokens: int, contex
             seconds, tokens[name] = decode_round(llms[name], prompts, params, f"r{r}")
             steps[name].append(seconds * 1e3)
         loads.append(os.getloadavg()[0])
-    print(f"## batch {batch}: {model} {dtype}, context ~{context}, {num_tokens} tokens, {rounds} rounds, "
-          f"{torch.get_num_threads()} threads, load average {min(loads):.1f}-{max(loads):.1f}, "
-          f"graphs startup {startup:.1f} s")
+    print(
+        f"## batch {batch}: {model} {dtype}, context ~{context}, {num_tokens} tokens, {rounds} rounds, "
+        f"{torch.get_num_threads()} threads, load average {min(loads):.1f}-{max(loads):.1f}, "
+        f"graphs startup {startup:.1f} s"
+    )
     print()
     print("| mode | step ms min / median | tok/s (max / median) |")
     print("|---|---:|---:|")
@@ -63,8 +70,10 @@ def run(model: str, dtype: str, batch: int, rounds: int, num_tokens: int, contex
     ratio_min = min(steps["eager"]) / min(steps["graphs"])
     ratio_med = statistics.median(steps["eager"]) / statistics.median(steps["graphs"])
     print()
-    print(f"graphs speed-up (eager step / graphs step): {ratio_min:.3f}x min, {ratio_med:.3f}x median; "
-          f"identical greedy tokens: {tokens['graphs'] == tokens['eager']}")
+    print(
+        f"graphs speed-up (eager step / graphs step): {ratio_min:.3f}x min, {ratio_med:.3f}x median; "
+        f"identical greedy tokens: {tokens['graphs'] == tokens['eager']}"
+    )
     print()
 
 

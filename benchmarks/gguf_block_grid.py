@@ -1,13 +1,16 @@
-"""Why int4 re-quantization of a GGUF Q4_1 import loses quality, as plain round-to-nearest variants (issue 13).
+"""Why int4 re-quantization of a GGUF Q4_1 import loses quality, as plain round-to-nearest variants (issue
+13).
 
-SmolLM2's zoo entry holds the GGUF's Q4_1 values dequantized: every 32-column block is `d·k + m`, k in 0..15, with
-its own float scale d and float min m. This scores (transformers, fp32, the first `--windows` windows of 512 tokens
-of GPL-3) the model with every linear but lm_head fake-quantized in place by:
-  rtnG   ascq's int4 asymmetric min-max round-to-nearest (`observer.fake_quantize_weight`, integer zero point), group G;
-  fzpG   the same with a float zero point (min + scale·q, the Q4_1 form), group G;
-  mseG   integer zero point, (scale, zero point) searched per group for the smallest weight MSE.
+SmolLM2's zoo entry holds the GGUF's Q4_1 values dequantized: every 32-column block is `d·k + m`, k in 0..15,
+with its own float scale d and float min m. This scores (transformers, fp32, the first `--windows` windows of
+512 tokens of GPL-3) the model with every linear but lm_head fake-quantized in place by:
+- rtnG: ascq's int4 asymmetric min-max round-to-nearest (`observer.fake_quantize_weight`, integer zero point),
+  group G;
+- fzpG: the same with a float zero point (min + scale·q, the Q4_1 form), group G;
+- mseG: integer zero point, (scale, zero point) searched per group for the smallest weight MSE.
 
-    OMP_NUM_THREADS=1 python benchmarks/gguf_block_grid.py --model zoo/smollm2-135m-instruct rtn64 rtn32 fzp32 fzp64
+    OMP_NUM_THREADS=1 python benchmarks/gguf_block_grid.py --model zoo/smollm2-135m-instruct \\
+        rtn64 rtn32 fzp32 fzp64
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ def mse_integer_zero_point(w: torch.Tensor, group: int) -> torch.Tensor:
         scale = ((hi - lo) / 15 * factor).clamp(min=1e-12)
         for shift in (-1, 0, 1):
             zero = ((-8 - lo / scale).round() + shift).clamp(-8, 7)
-            deq = ((g / scale[..., None] + zero[..., None]).round().clamp(-8, 7) - zero[..., None]) * scale[..., None]
+            deq = ((g / scale[..., None] + zero[..., None]).round().clamp(-8, 7) - zero[..., None]) * scale[
+                ..., None
+            ]
             err = (deq - g).pow(2).sum(-1)
             if best is None:
                 best, best_err = deq, err

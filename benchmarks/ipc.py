@@ -1,5 +1,6 @@
 """Engine-core transport: one step's outputs (32 requests, one new token each) sent to the serving process and
-an acknowledgement back, over a multiprocessing Pipe vs ZeroMQ (pyzmq, ipc://, pickled frames). Rounds alternate.
+an acknowledgement back, over a multiprocessing Pipe vs ZeroMQ (pyzmq, ipc://, pickled frames). Rounds
+alternate.
 
     python benchmarks/ipc.py --rounds 5 --messages 2000
 """
@@ -17,11 +18,22 @@ from ascq.runtime.engine.engine_core import CompletionDelta, OutputDelta
 
 
 def step_message(num_requests: int) -> tuple:
-    deltas = [OutputDelta(f"cmpl-{i:024x}", False, 0, [CompletionDelta(0, [1234], None, None, None)])
-              for i in range(num_requests)]
-    stats = {"num_running": num_requests, "num_waiting": 0, "num_free_blocks": 100, "num_total_blocks": 512,
-             "kv_cache_usage": 0.8, "num_preemptions": 0, "num_prompt_tokens": 4096, "num_generation_tokens": 2048,
-             "num_cached_prompt_tokens": 0, "num_computed_tokens": 6144}
+    deltas = [
+        OutputDelta(f"cmpl-{i:024x}", False, 0, [CompletionDelta(0, [1234], None, None, None)])
+        for i in range(num_requests)
+    ]
+    stats = {
+        "num_running": num_requests,
+        "num_waiting": 0,
+        "num_free_blocks": 100,
+        "num_total_blocks": 512,
+        "kv_cache_usage": 0.8,
+        "num_preemptions": 0,
+        "num_prompt_tokens": 4096,
+        "num_generation_tokens": 2048,
+        "num_cached_prompt_tokens": 0,
+        "num_computed_tokens": 6144,
+    }
     return ("outputs", deltas, stats)
 
 

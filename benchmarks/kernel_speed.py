@@ -1,7 +1,7 @@
-"""Quantized linear micro-benchmark: one out x in layer (default 4096 x 4096), per scheme x M, in one run:
-the `cpu` backend (and each of its kernel paths, to justify the per-M thresholds in ascq/kernels/cpu.py), the
-`reference` backend, and dense bf16 / fp32 F.linear as baselines. Prints a markdown table (ms, best of interleaved rounds) and
-the speedup of the cpu backend over dense bf16 F.linear.
+"""Quantized linear micro-benchmark: one out x in layer (default 4096 x 4096), per scheme x M, in one run: the
+`cpu` backend (and each of its kernel paths, to justify the per-M thresholds in ascq/kernels/cpu.py), the
+`reference` backend, and dense bf16 / fp32 F.linear as baselines. Prints a markdown table (ms, best of
+interleaved rounds) and the speedup of the cpu backend over dense bf16 F.linear.
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_speed.py [--size 4096] [--rows 1 8 32 128 512] [--dtype bf16]
 """
@@ -85,11 +85,13 @@ def main() -> None:
     dense_fp32 = torch.randn(args.size, args.size) * 0.02
     dense_bf16 = dense_fp32.bfloat16()
     print(
-        f"# {args.size}x{args.size} linear, {args.dtype} activations, {torch.get_num_threads()} threads, ms (best of interleaved rounds)"
+        f"# {args.size}x{args.size} linear, {args.dtype} activations, {torch.get_num_threads()} threads, ms "
+        f"(best of interleaved rounds)"
     )
     print()
     print(
-        "| scheme | M | cpu backend | cpu kernel | fast kernel forced | dequant + fp32 | reference | dense bf16 | dense fp32 | dense bf16 / cpu |"
+        "| scheme | M | cpu backend | cpu kernel | fast kernel forced | dequant + fp32 | reference | dense "
+        "bf16 | dense fp32 | dense bf16 / cpu |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     prepared_dense = cpu.prepare_linear(QuantLinearWeights("dense", dense_bf16), torch.bfloat16)
@@ -107,7 +109,8 @@ def main() -> None:
         bf16_ms, fp32_ms = base["bf16"], base["fp32"]
         kernel = "dense-fp32-workspace" if num_rows >= cpu.DENSE_BF16_MAX_M else "dense-bf16"
         print(
-            f"| dense bf16 | {num_rows} | {base['cpu']:.2f} | {kernel} | - | - | - | {bf16_ms:.2f} | {fp32_ms:.2f} | "
+            f"| dense bf16 | {num_rows} | {base['cpu']:.2f} | {kernel} | - | - | - | {bf16_ms:.2f} | "
+            f"{fp32_ms:.2f} | "
             f"{bf16_ms / base['cpu']:.2f} |"
         )
         for scheme in args.schemes:
@@ -126,8 +129,10 @@ def main() -> None:
                 candidates["fast"] = (forced_fast_linear, x, prepared)
             ms = interleaved_best_ms(candidates, args.rounds, args.min_run_time)
             print(
-                f"| {scheme} | {num_rows} | {ms['cpu']:.2f} | {prepared.kernel} | {ms.get('fast', float('nan')):.2f} | "
-                f"{ms['dequant']:.2f} | {ms['reference']:.2f} | {bf16_ms:.2f} | {fp32_ms:.2f} | {bf16_ms / ms['cpu']:.2f} |"
+                f"| {scheme} | {num_rows} | {ms['cpu']:.2f} | {prepared.kernel} | "
+                f"{ms.get('fast', float('nan')):.2f} | "
+                f"{ms['dequant']:.2f} | {ms['reference']:.2f} | {bf16_ms:.2f} | {fp32_ms:.2f} | "
+                f"{bf16_ms / ms['cpu']:.2f} |"
             )
 
 

@@ -1,15 +1,17 @@
 """Where each millisecond of a decode step goes: batch-B decode through the real engine (`LLMEngine.step`).
 
-B requests are admitted and prefilled, then N decode steps are timed. Each step is split by wall clock into the
-engine's phases (scheduler, metadata building in `ModelRunner.prepare`, the model forward, the LM head, the
-sampler, the engine's own bookkeeping), and the forward further into its leaf layers (linears, attention kernel,
-KV cache write, norms, rotary, embedding) by timing those calls; "python / other" is the forward's time outside
-them (module dispatch, splits/views, residual adds). With decode graphs (`--no-enforce-eager`) the forward is one
-number: its parts run inside compiled layers; with fused decode (the eager default for bf16 / W4A16 / W8A16 Llama
-layers, runtime/fused_decode.py; ASCQ_FUSED_DECODE=0 turns it off) a decode step's layers are one native call,
-"fused decode layers (native)". Prints a markdown table of ms per step (median over steps).
+B requests are admitted and prefilled, then N decode steps are timed. Each step is split by wall clock into
+the engine's phases (scheduler, metadata building in `ModelRunner.prepare`, the model forward, the LM head,
+the sampler, the engine's own bookkeeping), and the forward further into its leaf layers (linears, attention
+kernel, KV cache write, norms, rotary, embedding) by timing those calls; "python / other" is the forward's
+time outside them (module dispatch, splits/views, residual adds). With decode graphs (`--no-enforce-eager`)
+the forward is one number: its parts run inside compiled layers; with fused decode (the eager default for bf16
+/ W4A16 / W8A16 Llama layers, runtime/fused_decode.py; ASCQ_FUSED_DECODE=0 turns it off) a decode step's
+layers are one native call, "fused decode layers (native)". Prints a markdown table of ms per step (median
+over steps).
 
-    OMP_NUM_THREADS=2 python benchmarks/profile_step.py --model zoo/smollm2-135m-instruct --dtype float32 --batch 1 32
+    OMP_NUM_THREADS=2 python benchmarks/profile_step.py --model zoo/smollm2-135m-instruct --dtype float32 \\
+        --batch 1 32
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ascq.runtime.layers.linear import LinearBase
 from ascq.runtime.layers.rmsnorm import RMSNorm
 
-LEAF_LAYERS = {LinearBase: "linears", RMSNorm: "norms (+residual add)", RotaryEmbedding: "rotary",
-               VocabParallelEmbedding: "embedding"}
+LEAF_LAYERS = {
+    LinearBase: "linears",
+    RMSNorm: "norms (+residual add)",
+    RotaryEmbedding: "rotary",
+    VocabParallelEmbedding: "embedding",
+}
 
 
 class StepClock:
@@ -70,7 +76,9 @@ class StepClock:
 def instrument(llm: LLM, clock: StepClock) -> None:
     engine = llm.engine
     engine.scheduler.schedule = clock.wrap("scheduler", engine.scheduler.schedule, leaf=False)
-    engine.scheduler.update_after_step = clock.wrap("scheduler", engine.scheduler.update_after_step, leaf=False)
+    engine.scheduler.update_after_step = clock.wrap(
+        "scheduler", engine.scheduler.update_after_step, leaf=False
+    )
     engine.runner.prepare = clock.wrap("metadata (prepare)", engine.runner.prepare, leaf=False)
     engine.sampler = clock.wrap("sampler", engine.sampler, leaf=False)
     model = engine.model
@@ -97,21 +105,35 @@ def instrument(llm: LLM, clock: StepClock) -> None:
             module.backend = TimedBackend
 
 
-FORWARD_PARTS = ("fused decode layers (native)", "linears", "attention kernel", "kv cache write",
-                 "norms (+residual add)", "rotary", "embedding")
+FORWARD_PARTS = (
+    "fused decode layers (native)",
+    "linears",
+    "attention kernel",
+    "kv cache write",
+    "norms (+residual add)",
+    "rotary",
+    "embedding",
+)
 ENGINE_PARTS = ("scheduler", "metadata (prepare)", "lm head", "sampler")
 
 
-def profile(model: str, dtype: str, batch: int, num_steps: int, context: int, eager: bool) -> dict[str, float]:
+def profile(
+    model: str, dtype: str, batch: int, num_steps: int, context: int, eager: bool
+) -> dict[str, float]:
     kwargs = {"enforce_eager": eager} if eager is not None else {}
     llm = LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20, **kwargs)
     prompts = [[100 + (i * 7 + j) % 3000 for j in range(context)] for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=num_steps + 8, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up (compiles, native kernels)
+    llm.generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=4)
+    )  # warm-up (compiles, native kernels)
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         engine.step()
     for _ in range(3):
         engine.step()
@@ -123,7 +145,9 @@ def profile(model: str, dtype: str, batch: int, num_steps: int, context: int, ea
         clock.end_step()
     med = {k: statistics.median(s.get(k, 0.0) for s in clock.steps) * 1e3 for k in clock.steps[0]}
     med["python / other (in forward)"] = med["forward (total)"] - sum(med.get(k, 0.0) for k in FORWARD_PARTS)
-    med["engine bookkeeping"] = med["step (total)"] - med["forward (total)"] - sum(med.get(k, 0.0) for k in ENGINE_PARTS)
+    med["engine bookkeeping"] = (
+        med["step (total)"] - med["forward (total)"] - sum(med.get(k, 0.0) for k in ENGINE_PARTS)
+    )
     return med
 
 
@@ -134,14 +158,30 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                        help="eager steps, or (--no-enforce-eager) decode graphs; default: the engine's default")
+    parser.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="eager steps, or (--no-enforce-eager) decode graphs; default: the engine's default",
+    )
     args = parser.parse_args()
-    results = {b: profile(args.model, args.dtype, b, args.steps, args.context, args.enforce_eager) for b in args.batch}
-    rows = ["step (total)", "forward (total)", *FORWARD_PARTS, "python / other (in forward)", *ENGINE_PARTS,
-            "engine bookkeeping"]
-    print(f"# decode step, {args.model} {args.dtype}, context {args.context}, {torch.get_num_threads()} threads, "
-          f"median of {args.steps} steps (ms)")
+    results = {
+        b: profile(args.model, args.dtype, b, args.steps, args.context, args.enforce_eager)
+        for b in args.batch
+    }
+    rows = [
+        "step (total)",
+        "forward (total)",
+        *FORWARD_PARTS,
+        "python / other (in forward)",
+        *ENGINE_PARTS,
+        "engine bookkeeping",
+    ]
+    print(
+        f"# decode step, {args.model} {args.dtype}, context {args.context}, {torch.get_num_threads()} "
+        f"threads, "
+        f"median of {args.steps} steps (ms)"
+    )
     print()
     print("| part | " + " | ".join(f"batch {b}" for b in args.batch) + " |")
     print("|---|" + "---:|" * len(args.batch))

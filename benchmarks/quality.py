@@ -1,13 +1,15 @@
-"""Perplexity, conversion time and peak RSS of the W4/W8 recipes on the fixtures and their outlier-stress variants.
+"""Perplexity, conversion time and peak RSS of the W4/W8 recipes on the fixtures and their outlier-stress
+variants.
 
-    python benchmarks/quality.py                                   # both fixtures, all recipes (~15 min, 2 cores)
+    python benchmarks/quality.py        # both fixtures, all recipes (about 15 minutes on 2 cores)
     python benchmarks/quality.py --fixtures zoo/tiny-llama --recipes w4a16-rtn awq-int4
 
-Each conversion runs as its own `ascq convert` process (so peak RSS is that conversion's), with the converter's
-default calibration (64 x 512 tokens of the bundled calib slice); perplexity is the manifest's (held-out
-`ascq/data/eval.txt`, `ascq.evaluate` protocol), FP is the manifest's `perplexity_base`. The outlier-stress variant
-(`ascq.quantize.outlier_stress`, k = 30 on 4 channels) is a stress test, not a real model. "recovered" is
-(ppl_rtn - ppl) / (ppl_rtn - ppl_fp): the share of round-to-nearest int4's loss that the recipe wins back.
+Each conversion runs as its own `ascq convert` process (so peak RSS is that conversion's), with the
+converter's default calibration (64 x 512 tokens of the bundled calib slice); perplexity is the manifest's
+(held-out `ascq/data/eval.txt`, `ascq.evaluate` protocol), FP is the manifest's `perplexity_base`. The
+outlier-stress variant (`ascq.quantize.outlier_stress`, k = 30 on 4 channels) is a stress test, not a real
+model. "recovered" is (ppl_rtn - ppl) / (ppl_rtn - ppl_fp): the share of round-to-nearest int4's loss that the
+recipe wins back.
 """
 
 from __future__ import annotations
@@ -23,7 +25,18 @@ RECIPES = ("w4a16-rtn", "awq-int4", "w4a16-gptq", "w4a8-dynamic", "w8a8")
 
 
 def convert(source: Path, recipe: str, out: Path, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "ascq.cli", "convert", str(source), "--recipe", recipe, "--out", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ascq.cli",
+        "convert",
+        str(source),
+        "--recipe",
+        recipe,
+        "--out",
+        str(out),
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=None)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -32,7 +45,11 @@ def convert(source: Path, recipe: str, out: Path, extra: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fixtures", nargs="+", default=[str(PROJECT / "zoo" / "tiny-llama"), str(PROJECT / "zoo" / "tiny-deepseek-moe")])
+    parser.add_argument(
+        "--fixtures",
+        nargs="+",
+        default=[str(PROJECT / "zoo" / "tiny-llama"), str(PROJECT / "zoo" / "tiny-deepseek-moe")],
+    )
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
     parser.add_argument("--work", default="/tmp/ascq-quality")
     parser.add_argument("--num-samples", type=int, default=None)
@@ -42,7 +59,10 @@ def main() -> None:
 
     from ascq.quantize.outlier_stress import write_outlier_stress
 
-    extra = [*(["--num-samples", str(args.num_samples)] if args.num_samples else []), *(["--seq-len", str(args.seq_len)] if args.seq_len else [])]
+    extra = [
+        *(["--num-samples", str(args.num_samples)] if args.num_samples else []),
+        *(["--seq-len", str(args.seq_len)] if args.seq_len else []),
+    ]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -55,13 +75,21 @@ def main() -> None:
             for recipe in args.recipes:
                 manifest = convert(source, recipe, work / f"{source.name}-{recipe}", extra)
                 results[recipe] = manifest
-                print(f"{source.name} {recipe}: ppl {manifest['metrics']['perplexity']:.3f} ({manifest['conversion']['seconds']:.1f} s)", flush=True)
+                print(
+                    f"{source.name} {recipe}: ppl {manifest['metrics']['perplexity']:.3f} "
+                    f"({manifest['conversion']['seconds']:.1f} s)",
+                    flush=True,
+                )
             fp = next(iter(results.values()))["metrics"]["perplexity_base"]
             rtn = results.get("w4a16-rtn", {}).get("metrics", {}).get("perplexity")
             rows.append((source.name, "FP", fp, None, None, None))
             for recipe, manifest in results.items():
                 ppl = manifest["metrics"]["perplexity"]
-                recovered = (rtn - ppl) / (rtn - fp) if rtn and recipe.startswith(("awq", "w4a16-gptq")) and rtn != fp else None
+                recovered = (
+                    (rtn - ppl) / (rtn - fp)
+                    if rtn and recipe.startswith(("awq", "w4a16-gptq")) and rtn != fp
+                    else None
+                )
                 conv = manifest["conversion"]
                 rows.append((source.name, recipe, ppl, recovered, conv["seconds"], conv["peak_rss_bytes"]))
 

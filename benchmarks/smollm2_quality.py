@@ -1,15 +1,16 @@
-"""Real-text quality of every shipped recipe on SmolLM2-135M-Instruct (issue 13): perplexity, greedy key-answer
-agreement with full precision on 20 short prompts, convert wall time and peak RSS.
+"""Real-text quality of every shipped recipe on SmolLM2-135M-Instruct (issue 13): perplexity, greedy
+key-answer agreement with full precision on 20 short prompts, convert wall time and peak RSS.
 
-Eval text: `/usr/share/common-licenses/GPL-3` (the GNU GPL v3 text from Debian's `base-files` package, on every
-Debian/Ubuntu machine; real English prose, not ours, and not the calibration text `ascq/data/calib.txt`), cut into
-non-overlapping windows of `--window` tokens (all full windows of the file).
+Eval text: `/usr/share/common-licenses/GPL-3` (the GNU GPL v3 text from Debian's `base-files` package, on
+every Debian/Ubuntu machine; real English prose, not ours, and not the calibration text
+`ascq/data/calib.txt`), cut into non-overlapping windows of `--window` tokens (all full windows of the file).
 
-Perplexity is measured by transformers (fp32, compressed-tensors decompressing the checkpoint) where it can load the
-entry, and for every quantized entry by ascq's reference backend (`reference_logits`: the served quantizer, incl. fp8 KV); the bound
-check uses transformers' number where there is one. Agreement: each of the 20 prompts has a key answer (e.g.
-"Paris"); among the prompts whose full-precision greedy answer (ascq runtime, fp32, chat template, 48 tokens)
-contains its key, the share where the quantized entry's answer contains it too.
+Perplexity is measured by transformers (fp32, compressed-tensors decompressing the checkpoint) where it can
+load the entry, and for every quantized entry by ascq's reference backend (`reference_logits`: the served
+quantizer, incl. fp8 KV); the bound check uses transformers' number where there is one. Agreement: each of the
+20 prompts has a key answer (e.g. "Paris"); among the prompts whose full-precision greedy answer (ascq
+runtime, fp32, chat template, 48 tokens) contains its key, the share where the quantized entry's answer
+contains it too.
 
     OMP_NUM_THREADS=2 python benchmarks/smollm2_quality.py --model zoo/smollm2-135m-instruct [--recipes ...] \
         [--num-samples 64 --seq-len 512] [--convert-eval-tokens 256] [--json out.json]
@@ -34,7 +35,9 @@ from ascq.quantize.reference_forward import reference_logits
 EVAL_TEXT = Path("/usr/share/common-licenses/GPL-3")
 RECIPES = ("w8a8", "w8a8-static", "w8a16", "w4a16-rtn", "awq-int4", "w4a16-gptq", "w4a8-dynamic", "fp8-kv")
 BOUNDS = {  # recipe: (other recipe or "fp", allowed relative excess)
-    "w8a8": ("fp", 0.03), "w8a16": ("fp", 0.01), "awq-int4": ("fp", 0.08),
+    "w8a8": ("fp", 0.03),
+    "w8a16": ("fp", 0.01),
+    "awq-int4": ("fp", 0.08),
 }
 RELATIVE_BOUNDS = (("awq-int4", "w4a16-rtn"), ("w4a16-gptq", "w4a16-rtn"))
 PROMPTS = [  # (question, key answer)
@@ -67,8 +70,23 @@ def has_key(answer: str, key: str) -> bool:
 
 def convert(model: Path, recipe: str, out: Path, extra: list[str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (GiB) of one `ascq convert` process."""
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "ascq.cli", "convert", str(model), "--recipe", recipe,
-           "--out", str(out), "--overwrite", "--eval-text", str(EVAL_TEXT), *extra]
+    cmd = [
+        "/usr/bin/time",
+        "-v",
+        sys.executable,
+        "-m",
+        "ascq.cli",
+        "convert",
+        str(model),
+        "--recipe",
+        recipe,
+        "--out",
+        str(out),
+        "--overwrite",
+        "--eval-text",
+        str(EVAL_TEXT),
+        *extra,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -103,31 +121,43 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
     parser.add_argument("--work", default="/tmp/ascq-smollm2-quality")
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--num-samples", type=int, default=None, help="calibration blocks (convert's default)")
-    parser.add_argument("--seq-len", type=int, default=None, help="calibration block length (convert's default)")
-    parser.add_argument("--convert-eval-tokens", type=int, default=None,
-                        help="convert's own before/after perplexity tokens (--max-eval-tokens; this script measures its own)")
+    parser.add_argument(
+        "--num-samples", type=int, default=None, help="calibration blocks (convert's default)"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="calibration block length (convert's default)"
+    )
+    parser.add_argument(
+        "--convert-eval-tokens",
+        type=int,
+        default=None,
+        help="convert's own before/after perplexity tokens (--max-eval-tokens; this script measures its own)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     model, work = Path(args.model), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    extra = [*(["--num-samples", str(args.num_samples)] if args.num_samples else []),
-             *(["--seq-len", str(args.seq_len)] if args.seq_len else []),
-             *(["--max-eval-tokens", str(args.convert_eval_tokens)] if args.convert_eval_tokens else [])]
+    extra = [
+        *(["--num-samples", str(args.num_samples)] if args.num_samples else []),
+        *(["--seq-len", str(args.seq_len)] if args.seq_len else []),
+        *(["--max-eval-tokens", str(args.convert_eval_tokens)] if args.convert_eval_tokens else []),
+    ]
     ids = load_eval_token_ids(model, EVAL_TEXT)
     print(f"eval: {EVAL_TEXT}, {ids.numel()} tokens, windows of {args.window}")
 
     fp_answers = answers(model)
     scored = [i for i, (_, key) in enumerate(PROMPTS) if has_key(fp_answers[i], key)]
     print(f"FP answers {len(scored)}/{len(PROMPTS)} prompts with the key answer")
-    rows = {"fp": {"ppl_transformers": transformers_perplexity(model, ids, args.window),
-                   "ppl_reference": None}}  # reference_forward reads quantized entries only
+    rows = {
+        "fp": {"ppl_transformers": transformers_perplexity(model, ids, args.window), "ppl_reference": None}
+    }  # reference_forward reads quantized entries only
     for recipe in args.recipes:
         out = work / recipe
         seconds, rss = convert(model, recipe, out, extra)
         got = answers(out)
         rows[recipe] = {
-            "convert_s": seconds, "peak_rss_gib": rss,
+            "convert_s": seconds,
+            "peak_rss_gib": rss,
             "ppl_transformers": transformers_perplexity(out, ids, args.window),
             "ppl_reference": perplexity(lambda b, out=out: reference_logits(out, b), ids, args.window),
             "agreement": sum(has_key(got[i], PROMPTS[i][1]) for i in scored) / max(len(scored), 1),
@@ -138,13 +168,19 @@ def main() -> None:
         row = rows[name]
         return row["ppl_transformers"] if row["ppl_transformers"] is not None else row["ppl_reference"]
 
-    print("\n| recipe | ppl (transformers) | ppl (ascq reference) | vs FP | key-answer agreement | convert s | peak RSS GiB |")
+    print(
+        "\n| recipe | ppl (transformers) | ppl (ascq reference) | vs FP | key-answer agreement | convert s "
+        "| peak RSS GiB |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         hf = f"{row['ppl_transformers']:.3f}" if row["ppl_transformers"] is not None else "cannot load"
         excess = f"{100 * (ppl(name) / ppl('fp') - 1):+.2f} %"
-        extras = (f"{row['agreement']:.2f} | {row['convert_s']:.0f} | {row['peak_rss_gib']:.2f}" if name != "fp"
-                  else f"{len(scored)}/{len(PROMPTS)} keyed | - | -")
+        extras = (
+            f"{row['agreement']:.2f} | {row['convert_s']:.0f} | {row['peak_rss_gib']:.2f}"
+            if name != "fp"
+            else f"{len(scored)}/{len(PROMPTS)} keyed | - | -"
+        )
         ref = f"{row['ppl_reference']:.3f}" if row["ppl_reference"] is not None else "-"
         print(f"| {name} | {hf} | {ref} | {excess} | {extras} |")
     failures = []
@@ -156,7 +192,9 @@ def main() -> None:
             failures.append(f"{name} {ppl(name):.3f} > {anchor} {ppl(anchor):.3f}")
     print("\nbounds:", "all hold" if not failures else "; ".join(failures))
     if args.json:
-        Path(args.json).write_text(json.dumps({"eval_text": str(EVAL_TEXT), "rows": rows, "failures": failures}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"eval_text": str(EVAL_TEXT), "rows": rows, "failures": failures}, indent=1)
+        )
 
 
 if __name__ == "__main__":

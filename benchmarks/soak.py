@@ -3,13 +3,13 @@
     python benchmarks/soak.py --model zoo/tiny-llama --duration 1800 --clients 8 --out /tmp/soak.json
 
 Load (seeded, per request): completions or chat, streamed or not, random n, stop strings, logprobs, structured
-outputs (json_schema / guided_choice / guided_regex); 1 in 8 streamed requests disconnects after its first chunk;
-1 in 20 requests is hostile (bad JSON, wrong types, unknown or unsupported fields, out-of-vocab ids, a wrong API key)
-and must get a 4xx. The server runs as a child process on 127.0.0.1 and is stopped (SIGTERM, then kill) on every
-path; every loop is bounded by the deadline, so the script always ends by itself.
+outputs (json_schema / guided_choice / guided_regex); 1 in 8 streamed requests disconnects after its first
+chunk; 1 in 20 requests is hostile (bad JSON, wrong types, unknown or unsupported fields, out-of-vocab ids, a
+wrong API key) and must get a 4xx. The server runs as a child process on 127.0.0.1 and is stopped (SIGTERM,
+then kill) on every path; every loop is bounded by the deadline, so the script always ends by itself.
 
-Reports: requests served, errors by kind, p99 latency per time window, server RSS at start / after warm-up / end,
-KV blocks free once idle at the end. Goals (exit code 0 only when all hold): no unexpected 5xx, no other
+Reports: requests served, errors by kind, p99 latency per time window, server RSS at start / after warm-up /
+end, KV blocks free once idle at the end. Goals (exit code 0 only when all hold): no unexpected 5xx, no other
 unexpected outcome, every KV block free at the end, RSS growth after warm-up < 5 %.
 """
 
@@ -34,11 +34,19 @@ from ascq.core.errors import AscqError
 from ascq.runtime.server.launcher import idle_metrics, launch_server, stop_server
 
 API_KEY = "soak-key"
-PROMPTS = ["def parse_args(argv):\n    ", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self",
-           "# compute the mean\n", "for i in range(10):\n"]
-SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                                           "ok": {"type": "boolean"}},
-          "required": ["id", "ok"], "additionalProperties": False}
+PROMPTS = [
+    "def parse_args(argv):\n    ",
+    "import os\nimport sys\n\n",
+    "class Queue:\n    def __init__(self",
+    "# compute the mean\n",
+    "for i in range(10):\n",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
+    "required": ["id", "ok"],
+    "additionalProperties": False,
+}
 HOSTILE = [  # (path, httpx kwargs)
     ("/v1/completions", {"content": b'{"prompt": "a",'}),
     ("/v1/completions", {"json": {"prompt": "a", "max_tokens": "5"}}),
@@ -47,9 +55,17 @@ HOSTILE = [  # (path, httpx kwargs)
     ("/v1/completions", {"json": {"prompt": "a", "temprature": 1}}),
     ("/v1/completions", {"json": {"prompt": "x = 1\n" * 600, "max_tokens": 4}}),
     ("/v1/chat/completions", {"json": {"messages": [{"role": "root", "content": "x"}]}}),
-    ("/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "x"}}}),
-    ("/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "x"}]},
-                              "headers": {"Authorization": "Bearer wrong"}}),
+    (
+        "/v1/chat/completions",
+        {"json": {"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "x"}}},
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "json": {"messages": [{"role": "user", "content": "x"}]},
+            "headers": {"Authorization": "Bearer wrong"},
+        },
+    ),
     ("/v1/completions", {"json": {"prompt": "a", "guided_regex": "("}}),
 ]
 
@@ -57,15 +73,30 @@ HOSTILE = [  # (path, httpx kwargs)
 def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, VLLM_API_KEY=API_KEY, OMP_NUM_THREADS=str(args.threads))
     try:
-        return launch_server(args.model, log, "--host", "127.0.0.1", "--kv-cache-memory", str(args.kv_cache_memory),
-                             "--max-model-len", "512", "--max-num-seqs", "32", env=env)
+        return launch_server(
+            args.model,
+            log,
+            "--host",
+            "127.0.0.1",
+            "--kv-cache-memory",
+            str(args.kv_cache_memory),
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "32",
+            env=env,
+        )
     except AscqError as exc:
         raise SystemExit(str(exc)) from None
 
 
 def request_body(rng: random.Random, chat: bool, stream: bool) -> dict:
-    body: dict = {"max_tokens": rng.choice([4, 8, 16, 32]), "stream": stream,
-                  "temperature": rng.choice([0.0, 0.7, 1.0]), "seed": rng.randrange(1000)}
+    body: dict = {
+        "max_tokens": rng.choice([4, 8, 16, 32]),
+        "stream": stream,
+        "temperature": rng.choice([0.0, 0.7, 1.0]),
+        "seed": rng.randrange(1000),
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
     else:
@@ -199,7 +230,9 @@ async def sample_rss(pid: int, deadline: float, samples: list[tuple[float, int]]
         await asyncio.sleep(5)
 
 
-async def run_load(base_url: str, pid: int, args: argparse.Namespace) -> tuple[Recorder, list[tuple[float, int]]]:
+async def run_load(
+    base_url: str, pid: int, args: argparse.Namespace
+) -> tuple[Recorder, list[tuple[float, int]]]:
     start = time.monotonic()
     deadline = start + args.duration
     rec = Recorder(start)
@@ -207,8 +240,10 @@ async def run_load(base_url: str, pid: int, args: argparse.Namespace) -> tuple[R
     limits = httpx.Limits(max_connections=4 * args.clients)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=120) as http:
-        await asyncio.gather(sample_rss(pid, deadline, rss, start),
-                             *(client(http, args.seed * 1000 + c, deadline, rec) for c in range(args.clients)))
+        await asyncio.gather(
+            sample_rss(pid, deadline, rss, start),
+            *(client(http, args.seed * 1000 + c, deadline, rec) for c in range(args.clients)),
+        )
     return rec, rss
 
 
@@ -218,8 +253,13 @@ def p99_windows(latencies: list[tuple[float, float]], duration: float, num_windo
     for w in range(num_windows):
         values = sorted(lat for t, lat in latencies if w * width <= t < (w + 1) * width)
         p99 = values[min(len(values) - 1, int(0.99 * len(values)))] if values else None
-        windows.append({"start_s": round(w * width), "num_served": len(values),
-                        "p99_latency_s": None if p99 is None else round(p99, 3)})
+        windows.append(
+            {
+                "start_s": round(w * width),
+                "num_served": len(values),
+                "p99_latency_s": None if p99 is None else round(p99, 3),
+            }
+        )
     return windows
 
 
@@ -227,12 +267,22 @@ def rss_at(samples: list[tuple[float, int]], t: float) -> int:
     return min(samples, key=lambda s: abs(s[0] - t))[1]
 
 
-def summarize(rec: Recorder, rss: list[tuple[float, int]], final: dict[str, float], args: argparse.Namespace,
-              returncode: int | None) -> dict:
+def summarize(
+    rec: Recorder,
+    rss: list[tuple[float, int]],
+    final: dict[str, float],
+    args: argparse.Namespace,
+    returncode: int | None,
+) -> dict:
     warmup = min(args.warmup, args.duration / 2)
     rss_start, rss_warm, rss_end = rss[0][1], rss_at(rss, warmup), rss[-1][1]
-    unexpected = {k: v for k, v in rec.outcomes.items() if k.startswith(("unexpected", "transport", "stream_incomplete",
-                                                                         "structured_invalid", "hostile_accepted"))}
+    unexpected = {
+        k: v
+        for k, v in rec.outcomes.items()
+        if k.startswith(
+            ("unexpected", "transport", "stream_incomplete", "structured_invalid", "hostile_accepted")
+        )
+    }
     goals = {
         "no_unexpected_5xx": rec.outcomes.get("unexpected_5xx", 0) == 0,
         "no_other_unexpected_outcome": not unexpected,
@@ -246,10 +296,16 @@ def summarize(rec: Recorder, rss: list[tuple[float, int]], final: dict[str, floa
         "outcomes": dict(sorted(rec.outcomes.items())),
         "unexpected_examples": rec.examples,
         "p99_latency_windows": p99_windows(rec.latencies, args.duration, args.windows),
-        "rss_mib": {"start": round(rss_start / 2**20, 1), "after_warmup": round(rss_warm / 2**20, 1),
-                    "end": round(rss_end / 2**20, 1),
-                    "growth_after_warmup_pct": round(100 * (rss_end - rss_warm) / rss_warm, 2)},
-        "kv_blocks_end": {"free": int(final["ascq:num_free_blocks"]), "total": int(final["ascq:num_total_blocks"])},
+        "rss_mib": {
+            "start": round(rss_start / 2**20, 1),
+            "after_warmup": round(rss_warm / 2**20, 1),
+            "end": round(rss_end / 2**20, 1),
+            "growth_after_warmup_pct": round(100 * (rss_end - rss_warm) / rss_warm, 2),
+        },
+        "kv_blocks_end": {
+            "free": int(final["ascq:num_free_blocks"]),
+            "total": int(final["ascq:num_total_blocks"]),
+        },
         "generation_tokens": int(final["vllm:generation_tokens_total"]),
         "preemptions": int(final["vllm:num_preemptions_total"]),
         "goals": goals,

@@ -1,10 +1,10 @@
 """Offline throughput, like `vllm bench throughput`: ascq's engine vs Hugging Face transformers `generate`.
 
-N requests with random token-id prompts and random output lengths (uniform in the given ranges, ignore_eos) run
-through `ascq.LLM.generate` (continuous batching, paged KV cache) and through transformers `generate` in static
-batches of the same size (left-padded, greedy, each batch decoding to its longest requested output, the way
-vLLM's HF baseline does), same model, same dtype, same thread count, in the same run. Reports requests/s and
-output tokens/s (requested output tokens / wall time, model loading excluded) and the ratio.
+N requests with random token-id prompts and random output lengths (uniform in the given ranges, ignore_eos)
+run through `ascq.LLM.generate` (continuous batching, paged KV cache) and through transformers `generate` in
+static batches of the same size (left-padded, greedy, each batch decoding to its longest requested output, the
+way vLLM's HF baseline does), same model, same dtype, same thread count, in the same run. Reports requests/s
+and output tokens/s (requested output tokens / wall time, model loading excluded) and the ratio.
 
     python benchmarks/throughput.py --model zoo/tiny-llama --num-prompts 256 --threads 1
 """
@@ -31,8 +31,14 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
 def run_ascq(args: argparse.Namespace, requests: list[tuple[list[int], int]]) -> float:
     from ascq import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.batch_size,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.batch_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+    )
     llm.generate([requests[0][0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
@@ -49,23 +55,32 @@ def run_hf(args: argparse.Namespace, requests: list[tuple[list[int], int]]) -> f
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     start = time.perf_counter()
     for i in range(0, len(requests), args.batch_size):
-        batch = requests[i:i + args.batch_size]
+        batch = requests[i : i + args.batch_size]
         width = max(len(p) for p, _ in batch)
         input_ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros_like(input_ids)
         for row, (prompt, _) in enumerate(batch):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         max_new = max(n for _, n in batch)
         with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
         assert out.shape[1] == width + max_new
     return time.perf_counter() - start
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="zoo/tiny-llama")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--min-input-len", type=int, default=16)
@@ -89,16 +104,24 @@ def main() -> None:
     requests = make_requests(args, config["vocab_size"])
     num_output = sum(n for _, n in requests)
     num_input = sum(len(p) for p, _ in requests)
-    print(f"{len(requests)} requests, {num_input} prompt tokens, {num_output} output tokens, "
-          f"batch {args.batch_size}, {args.dtype}, {torch.get_num_threads()} threads")
+    print(
+        f"{len(requests)} requests, {num_input} prompt tokens, {num_output} output tokens, "
+        f"batch {args.batch_size}, {args.dtype}, {torch.get_num_threads()} threads"
+    )
     results = {}
     for name, run in (("ascq", run_ascq), ("hf", run_hf)):
         if name == "hf" and args.skip_hf:
             continue
         elapsed = run(args, requests)
-        results[name] = {"seconds": elapsed, "requests_per_s": len(requests) / elapsed,
-                         "output_tokens_per_s": num_output / elapsed}
-        print(f"{name:5s} {elapsed:8.2f} s  {len(requests) / elapsed:7.2f} req/s  {num_output / elapsed:9.1f} output tok/s")
+        results[name] = {
+            "seconds": elapsed,
+            "requests_per_s": len(requests) / elapsed,
+            "output_tokens_per_s": num_output / elapsed,
+        }
+        print(
+            f"{name:5s} {elapsed:8.2f} s  {len(requests) / elapsed:7.2f} req/s  {num_output / elapsed:9.1f} "
+            f"output tok/s"
+        )
     if "hf" in results:
         ratio = results["ascq"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
         results["ratio"] = ratio

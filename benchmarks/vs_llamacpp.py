@@ -1,15 +1,16 @@
 """ascq vs llama.cpp on the same real model (SmolLM2-135M-Instruct), alternating in one run, ratios printed.
 
-llama.cpp runs the GGUF (Q4_1) in `llama-server` (the engine llama-cpp-python wraps), bound to 127.0.0.1, driven
-through its native `/completion` endpoint with token-id prompts, greedy, `ignore_eos`, prompt cache off. ascq runs
-the imported checkpoint(s) in-process (`LLMEngine`). Both use `--threads` threads.
+llama.cpp runs the GGUF (Q4_1) in `llama-server` (the engine llama-cpp-python wraps), bound to 127.0.0.1,
+driven through its native `/completion` endpoint with token-id prompts, greedy, `ignore_eos`, prompt cache
+off. ascq runs the imported checkpoint(s) in-process (`LLMEngine`). Both use `--threads` threads.
 
-- batch 1: one request at a time, `--decode-tokens` new tokens after a 32-token prompt; decode tok/s = tokens after
-  the first / time after the first (llama.cpp: its own `timings.predicted_per_second`, which excludes the prompt).
+- batch 1: one request at a time, `--decode-tokens` new tokens after a 32-token prompt; decode tok/s = tokens
+  after the first / time after the first (llama.cpp: its own `timings.predicted_per_second`, which excludes
+  the prompt).
 - batched: `--num-requests` requests (prompts 64-512 tokens, 64-256 new tokens, seeded, new ones each round so
-  no side reuses a cached prompt: llama.cpp runs with `cache_prompt` off, ascq's prefix cache is per engine), llama-server with
-  `--parallel 16` driven at concurrency 16, vs ascq `LLM.generate` on all of them; output tok/s = output tokens /
-  wall time.
+  no side reuses a cached prompt: llama.cpp runs with `cache_prompt` off, ascq's prefix cache is per engine),
+  llama-server with `--parallel 16` driven at concurrency 16, vs ascq `LLM.generate` on all of them; output
+  tok/s = output tokens / wall time.
 Rounds alternate anchor and candidates; the table reports min and median over rounds of the per-round ratios.
 
 Building llama-server (never an ascq dependency; keep it outside the repository):
@@ -19,18 +20,20 @@ Building llama-server (never an ascq dependency; keep it outside the repository)
     cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON && cmake --build build --target llama-server -j2
 
 On a CPU with AMX (e.g. a Sapphire Rapids-class VM) that GGML_NATIVE build dies with SIGILL inside ggml's AMX
-Q4_1 kernel (`tinygemm_kernel_amx`, seen 2026-12-02); build it with every other extension of such a CPU instead:
+Q4_1 kernel (`tinygemm_kernel_amx`, seen 2026-12-02); build it with every other extension of such a CPU
+instead:
 
-    cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-        -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+    cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \\
+        -DGGML_F16C=ON \\
+        -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \\
         -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
     OMP_NUM_THREADS=2 python benchmarks/vs_llamacpp.py --llama-server PATH/build/bin/llama-server \\
         --gguf SmolLM2-135M-Instruct.Q4_1.gguf --ascq w4a16=zoo/smollm2-135m-instruct-w4a16 \\
         --ascq bf16=zoo/smollm2-135m-instruct:bfloat16 --rounds 3
 
-Before / after the fused decode path (runtime/fused_decode.py) in one run: the same checkpoint twice, one of them
-named in `--no-fused` (e.g. `--ascq w4a16-eager=PATH --no-fused w4a16-eager`).
+Before / after the fused decode path (runtime/fused_decode.py) in one run: the same checkpoint twice, one of
+them named in `--no-fused` (e.g. `--ascq w4a16-eager=PATH --no-fused w4a16-eager`).
 """
 
 from __future__ import annotations
@@ -65,9 +68,25 @@ class LlamaServer:
 
     def __init__(self, binary: str, gguf: str, threads: int, parallel: int, ctx_size: int) -> None:
         self.port = free_port()
-        cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
-               "-tb", str(threads), "--parallel", str(parallel), "-c", str(ctx_size), "--cont-batching",
-               "--no-webui"]
+        cmd = [
+            binary,
+            "-m",
+            gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "--parallel",
+            str(parallel),
+            "-c",
+            str(ctx_size),
+            "--cont-batching",
+            "--no-webui",
+        ]
         self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -96,13 +115,19 @@ class LlamaServer:
 
 
 def llama_body(prompt: list[int], n: int) -> dict:
-    return {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False,
-            "stream": False}
+    return {
+        "prompt": prompt,
+        "n_predict": n,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "stream": False,
+    }
 
 
 def settle() -> None:
-    """Let the other side's worker threads stop spinning (OpenMP and ggml threads poll for a while after their last
-    work) before a measurement, so neither side runs while the other's idle threads hold a core."""
+    """Let the other side's worker threads stop spinning (OpenMP and ggml threads poll for a while after their
+    last work) before a measurement, so neither side runs while the other's idle threads hold a core."""
     time.sleep(SETTLE_S)
 
 
@@ -117,8 +142,10 @@ def llama_decode_tps(server: LlamaServer, prompt: list[int], n: int) -> float:
 def llama_batched_tps(server: LlamaServer, requests: list[tuple[list[int], int]], concurrency: int) -> float:
     async def run() -> int:
         gate = asyncio.Semaphore(concurrency)
-        async with httpx.AsyncClient(base_url=server.url, timeout=3600,
-                                     limits=httpx.Limits(max_connections=concurrency)) as client:
+        async with httpx.AsyncClient(
+            base_url=server.url, timeout=3600, limits=httpx.Limits(max_connections=concurrency)
+        ) as client:
+
             async def one(prompt: list[int], n: int) -> int:
                 async with gate:
                     r = await client.post("/completion", json=llama_body(prompt, n))
@@ -134,8 +161,9 @@ def llama_batched_tps(server: LlamaServer, requests: list[tuple[list[int], int]]
 
 
 def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True, lm_head_int8: bool = False):
-    """`fused` False: the eager per-layer decode path (runtime/fused_decode.py off), for before/after in one run;
-    `lm_head_int8`: the opt-in int8 LM head (ASCQ_LM_HEAD_QUANT=int8; other logits than the checkpoint's)."""
+    """`fused` False: the eager per-layer decode path (runtime/fused_decode.py off), for before/after in one
+    run; `lm_head_int8`: the opt-in int8 LM head (ASCQ_LM_HEAD_QUANT=int8; other logits than the
+    checkpoint's)."""
     from ascq import LLM
     from ascq.runtime.worker import fused_decode
 
@@ -169,36 +197,61 @@ def ascq_batched_tps(llm, requests: list[tuple[list[int], int]]) -> float:
 
 def make_requests(num: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(100, 4000) for _ in range(rng.randint(64, 512))], rng.randint(64, 256))
-            for _ in range(num)]
+    return [
+        ([rng.randrange(100, 4000) for _ in range(rng.randint(64, 512))], rng.randint(64, 256))
+        for _ in range(num)
+    ]
 
 
 def summarize(name: str, values: list[float], anchor: list[float]) -> str:
     ratios = [v / a for v, a in zip(values, anchor, strict=True)]
-    return (f"| {name} | {min(values):.1f} / {statistics.median(values):.1f} | "
-            f"{min(ratios):.2f}x / {statistics.median(ratios):.2f}x |")
+    return (
+        f"| {name} | {min(values):.1f} / {statistics.median(values):.1f} | "
+        f"{min(ratios):.2f}x / {statistics.median(ratios):.2f}x |"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--llama-server", required=True, help="path of the llama-server binary")
     parser.add_argument("--gguf", default=str(GGUF_DEFAULT))
-    parser.add_argument("--ascq", action="append", required=True, metavar="NAME=PATH[:DTYPE]",
-                        help="an ascq checkpoint to compare (repeatable)")
+    parser.add_argument(
+        "--ascq",
+        action="append",
+        required=True,
+        metavar="NAME=PATH[:DTYPE]",
+        help="an ascq checkpoint to compare (repeatable)",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--num-requests", type=int, default=64, help="batched workload (0: skip it)")
-    parser.add_argument("--batched", default=None, help="NAME of the --ascq entry run on the batched workload")
-    parser.add_argument("--no-fused", action="append", default=[], metavar="NAME",
-                        help="run this --ascq entry with fused decode off (the eager per-layer path; repeatable)")
-    parser.add_argument("--lm-head-int8", action="append", default=[], metavar="NAME",
-                        help="run this --ascq entry with the opt-in int8 LM head (changes logits; repeatable)")
+    parser.add_argument(
+        "--batched", default=None, help="NAME of the --ascq entry run on the batched workload"
+    )
+    parser.add_argument(
+        "--no-fused",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run this --ascq entry with fused decode off (the eager per-layer path; repeatable)",
+    )
+    parser.add_argument(
+        "--lm-head-int8",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run this --ascq entry with the opt-in int8 LM head (changes logits; repeatable)",
+    )
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: never leave llama-server behind
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # run the finally below: never leave llama-server behind
     specs = dict(item.split("=", 1) for item in args.ascq)
     unknown = sorted(set(args.no_fused + args.lm_head_int8) - set(specs))
     if unknown:
@@ -206,8 +259,12 @@ def main() -> None:
     batched_name = args.batched or next(iter(specs))
     server = LlamaServer(args.llama_server, args.gguf, args.threads, args.concurrency, args.concurrency * 768)
     try:
-        llms = {name: ascq_llm(spec, max(64, args.num_requests), name not in args.no_fused, name in args.lm_head_int8)
-                for name, spec in specs.items()}
+        llms = {
+            name: ascq_llm(
+                spec, max(64, args.num_requests), name not in args.no_fused, name in args.lm_head_int8
+            )
+            for name, spec in specs.items()
+        }
         prompt = [random.Random(args.seed).randrange(100, 4000) for _ in range(32)]
         llama_decode_tps(server, prompt, 8)  # warm-ups
         for llm in llms.values():
@@ -220,7 +277,9 @@ def main() -> None:
                 decode[name].append(ascq_decode_tps(llm, prompt, args.decode_tokens))
             line = ", ".join(f"{n} {v[-1]:.1f}" for n, v in decode.items())
             print(f"round {r + 1} batch-1 decode tok/s: {line}", flush=True)
-            if args.num_requests:  # new requests each round: ascq's prefix cache would serve a repeated prompt
+            if (
+                args.num_requests
+            ):  # new requests each round: ascq's prefix cache would serve a repeated prompt
                 requests = make_requests(args.num_requests, args.seed + r)
                 batched["llama.cpp"].append(llama_batched_tps(server, requests, args.concurrency))
                 batched[batched_name].append(ascq_batched_tps(llms[batched_name], requests))
@@ -228,18 +287,32 @@ def main() -> None:
                 print(f"round {r + 1} batched output tok/s: {line}", flush=True)
     finally:
         server.stop()
-    print(f"\n# {args.threads} threads, {args.rounds} rounds, load avg {os.getloadavg()[0]:.1f}; "
-          f"values min / median, ratios to llama.cpp in the same round min / median\n")
+    print(
+        f"\n# {args.threads} threads, {args.rounds} rounds, load avg {os.getloadavg()[0]:.1f}; "
+        f"values min / median, ratios to llama.cpp in the same round min / median\n"
+    )
     print(f"| batch-1 decode ({args.decode_tokens} tokens) | tok/s | vs llama.cpp Q4_1 |\n|---|---:|---:|")
     for name, values in decode.items():
-        print(summarize(f"ascq {name}" if name != "llama.cpp" else "llama.cpp Q4_1", values, decode["llama.cpp"]))
+        print(
+            summarize(
+                f"ascq {name}" if name != "llama.cpp" else "llama.cpp Q4_1", values, decode["llama.cpp"]
+            )
+        )
     if args.num_requests:
-        print(f"\n| {args.num_requests} requests, prompts 64-512, 64-256 new | output tok/s | vs llama-server "
-              f"--parallel {args.concurrency} |\n|---|---:|---:|")
+        print(
+            f"\n| {args.num_requests} requests, prompts 64-512, 64-256 new | output tok/s | vs llama-server "
+            f"--parallel {args.concurrency} |\n|---|---:|---:|"
+        )
         for name, values in batched.items():
-            print(summarize(f"ascq {name} LLM.generate" if name != "llama.cpp" else
-                            f"llama-server --parallel {args.concurrency}, concurrency {args.concurrency}",
-                            values, batched["llama.cpp"]))
+            print(
+                summarize(
+                    f"ascq {name} LLM.generate"
+                    if name != "llama.cpp"
+                    else f"llama-server --parallel {args.concurrency}, concurrency {args.concurrency}",
+                    values,
+                    batched["llama.cpp"],
+                )
+            )
 
 
 if __name__ == "__main__":

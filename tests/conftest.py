@@ -56,11 +56,13 @@ def npu_backend():
         sys.modules["torch_npu"] = previous
 
 
-# ---- runtime: small random-weight checkpoints for the engine's math tests (issue 5) ---------------------------
+# ---- runtime: small random-weight checkpoints for the engine's math tests (issue 5)
+# ---------------------------
 
 
 class ByteTokenizer:
-    """A tokenizer object for random-weight models: token = byte + 1, 0 = eos (the custom-tokenizer plug-in)."""
+    """A tokenizer object for random-weight models: token = byte + 1, 0 = eos (the custom-tokenizer
+    plug-in)."""
 
     eos_token_id = 0
 
@@ -85,8 +87,15 @@ def random_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("random-llama")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-        intermediate_size=640, rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=False,
+        vocab_size=4096,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=640,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
     )
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return path
@@ -104,10 +113,22 @@ def random_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     path = tmp_path_factory.mktemp("random-deepseek")
     config = DeepseekConfig(
-        vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=8, n_shared_experts=2, n_routed_experts=16,
-        num_experts_per_tok=4, first_k_dense_replace=1, moe_layer_freq=1, norm_topk_prob=False,
-        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0,
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        n_shared_experts=2,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        norm_topk_prob=False,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(0)
     model = DeepseekForCausalLM(config).to(torch.bfloat16)
@@ -116,16 +137,18 @@ def random_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-# ---- converters: one conversion per (model, recipes, options) per session (issue 3) ------------------------------
+# ---- converters: one conversion per (model, recipes, options) per session (issue 3)
+# ------------------------------
 
 
 @pytest.fixture(scope="session")
 def converted_entry(tmp_path_factory: pytest.TempPathFactory):
-    """`converted_entry(base_dir, recipe_names, **opts) -> Path`: `ascq convert` into a session tmp zoo, cached.
+    """`converted_entry(base_dir, recipe_names, **opts) -> Path`: `ascq convert` into a session tmp zoo,
+    cached.
 
-    `opts` are `ascq.quantize.convert.ConvertOptions` fields (num_samples, seq_len, calib, eval_text, ...); to keep
-    the suite fast the calibration defaults to 32 x 256 tokens (the CLI's is 64 x 512). A missing base model makes
-    the test fail (AscqError), never skip.
+    `opts` are `ascq.quantize.convert.ConvertOptions` fields (num_samples, seq_len, calib, eval_text, ...); to
+    keep the suite fast the calibration defaults to 32 x 256 tokens (the CLI's is 64 x 512). A missing base
+    model makes the test fail (AscqError), never skip.
     """
     from ascq.quantize.convert import ConvertOptions, convert
 
@@ -133,12 +156,19 @@ def converted_entry(tmp_path_factory: pytest.TempPathFactory):
     cache: dict[tuple, Path] = {}
 
     def convert_once(base_dir: Path, recipe_names: tuple[str, ...], **opts) -> Path:
-        opts = {"num_samples": 32, "seq_len": 256, "max_eval_tokens": None, **opts}  # whole eval text: stable bounds
+        opts = {
+            "num_samples": 32,
+            "seq_len": 256,
+            "max_eval_tokens": None,
+            **opts,
+        }  # whole eval text: stable bounds
         key = (str(base_dir), tuple(recipe_names), tuple(sorted((k, str(v)) for k, v in opts.items())))
         if key not in cache:
             out = root / f"{Path(base_dir).name}-{'+'.join(Path(r).stem for r in recipe_names)}-{len(cache)}"
             cache[key] = convert(
-                ConvertOptions(model=str(base_dir), recipes=list(recipe_names), out=out, progress=False, **opts)
+                ConvertOptions(
+                    model=str(base_dir), recipes=list(recipe_names), out=out, progress=False, **opts
+                )
             )
         return cache[key]
 
@@ -147,7 +177,8 @@ def converted_entry(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def npu_converted(tmp_path_factory):
-    """(base model dir, "recipe[+recipe]", format) -> entry converted once per session, small calibration set."""
+    """(base model dir, "recipe[+recipe]", format) -> entry converted once per session, small calibration
+    set."""
     import functools
 
     from ascq.quantize.convert import ConvertOptions, convert
@@ -158,8 +189,18 @@ def npu_converted(tmp_path_factory):
     @functools.cache
     def get(base_dir: Path, recipe: str, fmt: str = "compressed-tensors") -> Path:
         out = tmp_path_factory.mktemp("npu-entries") / f"{base_dir.name}-{recipe}-{fmt}"
-        convert(ConvertOptions(str(base_dir), recipe.split("+"), out=out, num_samples=8, seq_len=128, format=fmt,
-                               eval_text=short_eval, progress=False))
+        convert(
+            ConvertOptions(
+                str(base_dir),
+                recipe.split("+"),
+                out=out,
+                num_samples=8,
+                seq_len=128,
+                format=fmt,
+                eval_text=short_eval,
+                progress=False,
+            )
+        )
         return out
 
     return get
@@ -171,7 +212,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from zoo_builder import write_dense_entry, write_w4a16_entry
 
     root = tmp_path_factory.mktemp("built")
-    return {"dense": write_dense_entry(root / "tiny-test-llama"), "w4a16": write_w4a16_entry(root / "tiny-test-llama-w4a16")}
+    return {
+        "dense": write_dense_entry(root / "tiny-test-llama"),
+        "w4a16": write_w4a16_entry(root / "tiny-test-llama-w4a16"),
+    }
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Engine test helpers shared by the engine, runtime-model and speculative-decoding tests: a small-KV engine, running
-requests to completion, and the no-leaked-block check."""
+"""Engine test helpers shared by the engine, runtime-model and speculative-decoding tests: a small-KV engine,
+running requests to completion, and the no-leaked-block check."""
 
 from __future__ import annotations
 

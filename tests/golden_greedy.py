@@ -1,6 +1,7 @@
-"""Greedy tokens of the fixtures (and SmolLM2 when imported) through the public API, recorded before the layout
-refactor of issue 33 (`python tests/golden_greedy.py > tests/data/golden_greedy.json` at commit de466cd) and
-compared by tests/test_golden_greedy.py, so a change that moves code cannot change what the model says."""
+"""Greedy tokens of the fixtures (and SmolLM2 when imported) through the public API, recorded before the
+layout refactor of issue 33 (`python tests/golden_greedy.py > tests/data/golden_greedy.json` at commit
+de466cd) and compared by tests/test_golden_greedy.py, so a change that moves code cannot change what the model
+says."""
 
 from __future__ import annotations
 
@@ -9,10 +10,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):",
-           "The quick brown fox"]
-MODELS = {"tiny-llama": ROOT / "zoo" / "tiny-llama", "tiny-deepseek-moe": ROOT / "zoo" / "tiny-deepseek-moe",
-          "smollm2-135m-instruct": ROOT / "zoo" / "smollm2-135m-instruct"}
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n",
+    "class Stack:\n    def push(self, item):",
+    "The quick brown fox",
+]
+MODELS = {
+    "tiny-llama": ROOT / "zoo" / "tiny-llama",
+    "tiny-deepseek-moe": ROOT / "zoo" / "tiny-deepseek-moe",
+    "smollm2-135m-instruct": ROOT / "zoo" / "smollm2-135m-instruct",
+}
 NUM_TOKENS = 24
 
 

@@ -1,11 +1,12 @@
 """HubDouble: a TEST DOUBLE of the Hugging Face Hub HTTP API, served on 127.0.0.1 for publish/pull tests.
 
-It implements the endpoints huggingface_hub 1.x calls for `create_repo`, `create_branch`, `create_commit` (preupload,
-LFS batch + basic single-part PUT + verify, the ndjson commit), `list_repo_tree`, `get_paths_info`, `repo_info` and
-`hf_hub_download`/`snapshot_download` (HEAD/GET resolve). Xet storage (the default upload path when `hf_xet` is
-installed) runs in Rust against a CAS service and cannot be doubled here, so tests set huggingface_hub's own switch
-`HF_HUB_DISABLE_XET`, which makes the library take the plain LFS path; downloads take the plain HTTP path because the
-double sends no `X-Xet-Hash` header. Every request is recorded (method, path) without its headers.
+It implements the endpoints huggingface_hub 1.x calls for `create_repo`, `create_branch`, `create_commit`
+(preupload, LFS batch + basic single-part PUT + verify, the ndjson commit), `list_repo_tree`,
+`get_paths_info`, `repo_info` and `hf_hub_download`/`snapshot_download` (HEAD/GET resolve). Xet storage (the
+default upload path when `hf_xet` is installed) runs in Rust against a CAS service and cannot be doubled here,
+so tests set huggingface_hub's own switch `HF_HUB_DISABLE_XET`, which makes the library take the plain LFS
+path; downloads take the plain HTTP path because the double sends no `X-Xet-Hash` header. Every request is
+recorded (method, path) without its headers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 from hub_double_store import GITATTRIBUTES, LFS_MIN_SIZE, LFS_SUFFIXES, Repo, StoredFile, tree_listing
 
 UPLOAD_MARKERS = ("/preupload/", "/info/lfs/objects/batch", "/commit/")
+
 
 class HubDouble:
     """In-memory Hub: repos, branches, commits, an LFS object store, and a log of every request received."""
@@ -45,7 +47,8 @@ class HubDouble:
         self.server.server_close()
 
     def uploads(self) -> list[tuple[str, str]]:
-        """Requests that carry file content or samples, or create a commit (preupload, LFS batch/PUT, commit)."""
+        """Requests that carry file content or samples, or create a commit (preupload, LFS batch/PUT,
+        commit)."""
         return [r for r in self.requests if r[0] == "PUT" or any(m in r[1] for m in UPLOAD_MARKERS)]
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
@@ -104,8 +107,11 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             self._send(status, json.dumps(payload).encode(), {"Content-Type": "application/json"})
 
         def _error(self, status: int, message: str, code: str | None = None) -> None:
-            self._send(status, json.dumps({"error": message}).encode(),
-                       {"Content-Type": "application/json", **({"X-Error-Code": code} if code else {})})
+            self._send(
+                status,
+                json.dumps({"error": message}).encode(),
+                {"Content-Type": "application/json", **({"X-Error-Code": code} if code else {})},
+            )
 
         def _repo(self, repo_id: str, write: bool = False) -> Repo | None:
             repo = hub.repos.get(repo_id)
@@ -136,10 +142,18 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             if parts == ["lfs-verify"] and method == "POST":
                 oid = json.loads(self.body)["oid"]
                 return self._json({}) if oid in hub.lfs_objects else self._error(404, "object not found")
-            if len(parts) == 6 and parts[1].endswith(".git") and parts[2:] == ["info", "lfs", "objects", "batch"]:
+            if (
+                len(parts) == 6
+                and parts[1].endswith(".git")
+                and parts[2:] == ["info", "lfs", "objects", "batch"]
+            ):
                 return self._lfs_batch(f"{parts[0]}/{parts[1][:-4]}")
             if parts[:2] == ["api", "models"] and len(parts) >= 4:
-                repo_id, action, rest = f"{parts[2]}/{parts[3]}", parts[4] if len(parts) > 4 else "", parts[5:]
+                repo_id, action, rest = (
+                    f"{parts[2]}/{parts[3]}",
+                    parts[4] if len(parts) > 4 else "",
+                    parts[5:],
+                )
                 return self._model_api(repo_id, action, rest)
             if len(parts) >= 5 and parts[2] == "resolve" and method in ("GET", "HEAD"):
                 return self._resolve(f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]))
@@ -160,15 +174,27 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             if (files := self._files(repo, revision)) is None:
                 return
             if action in ("", "revision"):
-                return self._json({"id": repo_id, "sha": repo.branches.get(revision, revision), "private": repo.private,
-                                   "siblings": [{"rfilename": p} for p in sorted(files)]})
+                return self._json(
+                    {
+                        "id": repo_id,
+                        "sha": repo.branches.get(revision, revision),
+                        "private": repo.private,
+                        "siblings": [{"rfilename": p} for p in sorted(files)],
+                    }
+                )
             if action == "tree":
-                return self._json(tree_listing(files, "/".join(rest[1:]), self.query.get("recursive", ["false"])[0] == "true"))
+                return self._json(
+                    tree_listing(
+                        files, "/".join(rest[1:]), self.query.get("recursive", ["false"])[0] == "true"
+                    )
+                )
             if action == "paths-info":
                 paths = parse_qs(self.body.decode()).get("paths", [])
                 return self._json([files[p].tree_entry(p) for p in paths if p in files])
             if action == "preupload":
-                return self._json({"files": [self._upload_mode(f, files) for f in json.loads(self.body)["files"]]})
+                return self._json(
+                    {"files": [self._upload_mode(f, files) for f in json.loads(self.body)["files"]]}
+                )
             if action == "commit":
                 return self._commit(repo_id, repo, revision, files)
             self._error(404, f"test double: no route for {self.command} {self.path}")
@@ -177,11 +203,21 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             if not self._authorized():
                 return self._error(401, "Invalid credentials in Authorization header")
             payload = json.loads(self.body)
-            repo_id = f"{payload['organization']}/{payload['name']}" if payload.get("organization") else payload["name"]
+            repo_id = (
+                f"{payload['organization']}/{payload['name']}"
+                if payload.get("organization")
+                else payload["name"]
+            )
             if repo_id in hub.repos:  # the Hub's 409 carries the url, which create_repo(exist_ok=True) reads
-                return self._json({"error": "You already created this model repo", "url": f"{hub.endpoint}/{repo_id}"}, 409)
-            repo = hub.repos[repo_id] = Repo(private=payload.get("visibility", "public") != "public" or bool(payload.get("private")))
-            repo.add_commit("main", {".gitattributes": StoredFile(GITATTRIBUTES, lfs=False)}, "initial commit")
+                return self._json(
+                    {"error": "You already created this model repo", "url": f"{hub.endpoint}/{repo_id}"}, 409
+                )
+            repo = hub.repos[repo_id] = Repo(
+                private=payload.get("visibility", "public") != "public" or bool(payload.get("private"))
+            )
+            repo.add_commit(
+                "main", {".gitattributes": StoredFile(GITATTRIBUTES, lfs=False)}, "initial commit"
+            )
             self._json({"url": f"{hub.endpoint}/{repo_id}", "name": repo_id})
 
         def _validate_yaml(self) -> None:
@@ -199,8 +235,12 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
         def _upload_mode(self, request: dict, files: dict[str, StoredFile]) -> dict:
             lfs = request["path"].endswith(LFS_SUFFIXES) or request["size"] >= LFS_MIN_SIZE
             remote = files.get(request["path"])
-            return {"path": request["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
-                    "oid": remote.oid() if remote else None}
+            return {
+                "path": request["path"],
+                "uploadMode": "lfs" if lfs else "regular",
+                "shouldIgnore": False,
+                "oid": remote.oid() if remote else None,
+            }
 
         def _lfs_batch(self, repo_id: str) -> None:
             if self._repo(repo_id, write=True) is None:
@@ -209,8 +249,10 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             for obj in json.loads(self.body)["objects"]:
                 entry = {"oid": obj["oid"], "size": obj["size"]}
                 if obj["oid"] not in hub.lfs_objects:
-                    entry["actions"] = {"upload": {"href": f"{hub.endpoint}/lfs-upload/{obj['oid']}"},
-                                        "verify": {"href": f"{hub.endpoint}/lfs-verify"}}
+                    entry["actions"] = {
+                        "upload": {"href": f"{hub.endpoint}/lfs-upload/{obj['oid']}"},
+                        "verify": {"href": f"{hub.endpoint}/lfs-verify"},
+                    }
                 objects.append(entry)
             self._json({"transfer": "basic", "objects": objects})
 
@@ -240,7 +282,13 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
                     prefix = value["path"].rstrip("/") + "/"
                     new_files = {p: f for p, f in new_files.items() if not p.startswith(prefix)}
             oid = repo.add_commit(branch, new_files, summary)
-            self._json({"commitUrl": f"{hub.endpoint}/{repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None})
+            self._json(
+                {
+                    "commitUrl": f"{hub.endpoint}/{repo_id}/commit/{oid}",
+                    "commitOid": oid,
+                    "pullRequestUrl": None,
+                }
+            )
 
         def _resolve(self, repo_id: str, revision: str, path: str) -> None:
             if (repo := self._repo(repo_id)) is None or (files := self._files(repo, revision)) is None:
@@ -248,7 +296,14 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             if path not in files:
                 return self._error(404, f"Entry {path} not found", "EntryNotFound")
             stored = files[path]
-            self._send(200, stored.data, {"X-Repo-Commit": repo.branches.get(revision, revision), "ETag": f'"{stored.oid()}"',
-                                          "Content-Type": "application/octet-stream"})
+            self._send(
+                200,
+                stored.data,
+                {
+                    "X-Repo-Commit": repo.branches.get(revision, revision),
+                    "ETag": f'"{stored.oid()}"',
+                    "Content-Type": "application/octet-stream",
+                },
+            )
 
     return Handler

@@ -26,14 +26,22 @@ class StoredFile:
     lfs: bool
 
     def oid(self) -> str:
-        """What preupload reports: sha256 for LFS files, the git blob sha1 for regular ones (as the Hub does)."""
+        """What preupload reports: sha256 for LFS files, the git blob sha1 for regular ones (as the Hub
+        does)."""
         return hashlib.sha256(self.data).hexdigest() if self.lfs else git_blob_sha1(self.data)
 
     def tree_entry(self, path: str) -> dict:
         entry = {"type": "file", "path": path, "size": len(self.data)}
         if self.lfs:
             pointer = lfs_pointer(self.data)
-            entry.update(oid=git_blob_sha1(pointer), lfs={"oid": hashlib.sha256(self.data).hexdigest(), "size": len(self.data), "pointerSize": len(pointer)})
+            entry.update(
+                oid=git_blob_sha1(pointer),
+                lfs={
+                    "oid": hashlib.sha256(self.data).hexdigest(),
+                    "size": len(self.data),
+                    "pointerSize": len(pointer),
+                },
+            )
         else:
             entry["oid"] = git_blob_sha1(self.data)
         return entry
@@ -62,11 +70,14 @@ def tree_listing(files: dict[str, StoredFile], prefix: str, recursive: bool) -> 
     for path in sorted(files):
         if not path.startswith(base):
             continue
-        rel_parts = path[len(base):].split("/")
+        rel_parts = path[len(base) :].split("/")
         for depth in range(1, len(rel_parts)):
             folder = base + "/".join(rel_parts[:depth])
             if recursive or depth == 1:
-                entries.setdefault(folder, {"type": "directory", "path": folder, "oid": git_blob_sha1(folder.encode()), "size": 0})
+                entries.setdefault(
+                    folder,
+                    {"type": "directory", "path": folder, "oid": git_blob_sha1(folder.encode()), "size": 0},
+                )
         if recursive or len(rel_parts) == 1:
             entries[path] = files[path].tree_entry(path)
     return list(entries.values())

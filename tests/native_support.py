@@ -4,8 +4,9 @@ import pytest
 
 from ascq.kernels import native
 
-needs_native = pytest.mark.skipif(native.load() is None,
-                                  reason=f"no native CPU kernels here: {native.unavailable_reason()}")
+needs_native = pytest.mark.skipif(
+    native.load() is None, reason=f"no native CPU kernels here: {native.unavailable_reason()}"
+)
 
 
 def skip_without_native() -> None:

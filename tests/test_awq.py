@@ -1,4 +1,5 @@
-"""AWQ search and folding on random tensors, against plain-PyTorch math and compressed-tensors' own fake quant."""
+"""AWQ search and folding on random tensors, against plain-PyTorch math and compressed-tensors' own fake
+quant."""
 
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ def test_search_scales_matches_brute_force_grid_and_restores_weights():
     def block(inp: torch.Tensor) -> torch.Tensor:
         return torch.cat([q(inp), k(inp)], dim=-1)
 
-    scales, alpha, losses = search_scales(activation_mean(x), [q, k], lambda: block(x), ct_fake_quantize, config)
+    scales, alpha, losses = search_scales(
+        activation_mean(x), [q, k], lambda: block(x), ct_fake_quantize, config
+    )
     torch.testing.assert_close(q.weight, before[0])
     torch.testing.assert_close(k.weight, before[1])
     # independent loss for every α: plain matmuls with the quantized scaled weights
@@ -107,7 +110,9 @@ def test_awq_beats_round_to_nearest_on_outlier_channels():
     h = norm(x)
     reference = fc(h)
     rtn_err = (h @ ct_fake_quantize(fc.weight).t() - reference).pow(2).mean()
-    scales, _, _ = search_scales(activation_mean(h), [fc], lambda: fc(h), ct_fake_quantize, AWQSearchConfig(group_size=32))
+    scales, _, _ = search_scales(
+        activation_mean(h), [fc], lambda: fc(h), ct_fake_quantize, AWQSearchConfig(group_size=32)
+    )
     fold_into_norm(norm, [fc], scales)
     awq_err = (norm(x) @ ct_fake_quantize(fc.weight).t() - reference).pow(2).mean()
     assert awq_err < 0.7 * rtn_err
@@ -162,7 +167,8 @@ def _clipped(fc: nn.Linear, max_val: torch.Tensor) -> torch.Tensor:
     return fc.weight.detach()
 
 
-# ---- the modifier on one real decoder layer (random weights, planted outlier channels) ------------------------
+# ---- the modifier on one real decoder layer (random weights, planted outlier channels)
+# ------------------------
 
 
 def _deepseek_layer_context(modifier, outliers: bool, seed: int = 0):
@@ -171,10 +177,20 @@ def _deepseek_layer_context(modifier, outliers: bool, seed: int = 0):
     from ascq.quantize.schemes import resolve_target
 
     config = dict(
-        model_type="deepseek", vocab_size=4096, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=8, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=16,
-        num_experts_per_tok=4, n_shared_experts=2, first_k_dense_replace=1, rms_norm_eps=1e-6,
-    )  # fmt: skip
+        model_type="deepseek",
+        vocab_size=4096,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        rms_norm_eps=1e-6,
+    )
     arch = DeepseekMoEArch(config)
     torch.manual_seed(seed)
     layer = arch.new_layer(1).eval()
@@ -188,11 +204,21 @@ def _deepseek_layer_context(modifier, outliers: bool, seed: int = 0):
                 norm.weight[[3, 50, 100, 200]] *= 30
                 for n, m in layer.named_modules():
                     reads_norm = n.startswith("self_attn.") and n[-6:] in ("q_proj", "k_proj", "v_proj")
-                    reads_norm |= name == "post_attention_layernorm" and (n.endswith(("gate_proj", "up_proj")) or n == "mlp.gate")
-                    if isinstance(m, nn.Linear) and reads_norm and (name == "input_layernorm") == n.startswith("self_attn."):
+                    reads_norm |= name == "post_attention_layernorm" and (
+                        n.endswith(("gate_proj", "up_proj")) or n == "mlp.gate"
+                    )
+                    if (
+                        isinstance(m, nn.Linear)
+                        and reads_norm
+                        and (name == "input_layernorm") == n.startswith("self_attn.")
+                    ):
                         m.weight[:, [3, 50, 100, 200]] /= 30
     scheme = modifier.quant_scheme()
-    targets = {n: t for n, m in layer.named_modules() if isinstance(m, nn.Linear) and (t := resolve_target(f"model.layers.1.{n}", m, [scheme]))}
+    targets = {
+        n: t
+        for n, m in layer.named_modules()
+        if isinstance(m, nn.Linear) and (t := resolve_target(f"model.layers.1.{n}", m, [scheme]))
+    }
     inputs = [torch.randn(1, 48, 256) for _ in range(2)]
     return LayerContext(1, "model.layers.1.", arch, layer, inputs, targets, torch.bfloat16)
 
@@ -216,7 +242,12 @@ def test_awq_modifier_scaling_keeps_the_moe_layer_function_and_routing():
     for i in range(len(before)):
         assert torch.equal(routing[i].sort(-1).values, routing[i + len(before)].sort(-1).values)
     report = ctx.report["awq"]
-    assert set(report["alpha"]) >= {"input_layernorm", "self_attn.v_proj", "post_attention_layernorm", "mlp.experts.0.up_proj"}
+    assert set(report["alpha"]) >= {
+        "input_layernorm",
+        "self_attn.v_proj",
+        "post_attention_layernorm",
+        "mlp.experts.0.up_proj",
+    }
     assert len(ctx.results) == len(ctx.targets) == 4 + 16 * 3 + 3
     assert sum(report["expert_coverage"]["mlp"]["tokens_per_expert"]) == 2 * 48 * 4
 
@@ -227,7 +258,9 @@ def _output_error(ctx, modifier) -> float:
     reference = ctx.run()
     modifier.process_layer(ctx)
     for name, result in ctx.results.items():
-        ctx.module(name).weight.data = qmath.dequantize_weight(result.q, result.scale, result.zero_point, ctx.targets[name].weights)
+        ctx.module(name).weight.data = qmath.dequantize_weight(
+            result.q, result.scale, result.zero_point, ctx.targets[name].weights
+        )
     return sum((a - b).pow(2).mean().item() for a, b in zip(reference, ctx.run(), strict=True))
 
 
@@ -235,15 +268,19 @@ def test_awq_modifier_beats_rtn_on_an_outlier_layer():
     from ascq.quantize.awq_modifier import AWQModifier
     from ascq.quantize.quantization_modifier import QuantizationModifier
 
-    rtn, awq = QuantizationModifier.from_args({"scheme": "W4A16_ASYM"}), AWQModifier.from_args({"scheme": "W4A16_ASYM"})
+    rtn, awq = (
+        QuantizationModifier.from_args({"scheme": "W4A16_ASYM"}),
+        AWQModifier.from_args({"scheme": "W4A16_ASYM"}),
+    )
     rtn_error = _output_error(_deepseek_layer_context(rtn, True), rtn)
     awq_error = _output_error(_deepseek_layer_context(awq, True), awq)
     assert 0 < awq_error < 0.7 * rtn_error
 
 
 def test_awq_moe_router_is_compensated_exactly_in_the_checkpoint_dtype():
-    """The router stays full precision but reads the scaled norm: written in bf16, norm / s and gate · s must give
-    the source's router logits bit for bit (powers-of-two scales), else AWQ reroutes tokens that RTN does not."""
+    """The router stays full precision but reads the scaled norm: written in bf16, norm / s and gate · s must
+    give the source's router logits bit for bit (powers-of-two scales), else AWQ reroutes tokens that RTN does
+    not."""
     from ascq.quantize.awq_modifier import AWQModifier
 
     modifier = AWQModifier.from_args({"scheme": "W4A16_ASYM", "clip_search": False})
@@ -255,7 +292,10 @@ def test_awq_moe_router_is_compensated_exactly_in_the_checkpoint_dtype():
     x = torch.cat([t.reshape(-1, 256) for t in ctx.inputs]) * 3
 
     def router_logits() -> torch.Tensor:
-        written = {"norm": norm.weight.to(torch.bfloat16).float(), "gate": gate.weight.to(torch.bfloat16).float()}
+        written = {
+            "norm": norm.weight.to(torch.bfloat16).float(),
+            "gate": gate.weight.to(torch.bfloat16).float(),
+        }
         return rms_norm(x, written["norm"], 1e-6) @ written["gate"].T
 
     before, norm_before = router_logits(), norm.weight.clone()
@@ -277,8 +317,8 @@ def test_search_loss_is_block_or_linear():
 
 
 def test_shortlist_runs_the_block_on_the_best_grid_points_by_the_linear_loss():
-    """shortlist k: the Gram loss (no forward) ranks the grid, the block loss judges only its k best; the block
-    runs k + 1 times (the reference once) and the pick is the block-loss best of those k."""
+    """shortlist k: the Gram loss (no forward) ranks the grid, the block loss judges only its k best; the
+    block runs k + 1 times (the reference once) and the pick is the block-loss best of those k."""
     torch.manual_seed(0)
     x = outlier_inputs()
     q, k = nn.Linear(64, 48, bias=False), nn.Linear(64, 16, bias=False)
@@ -292,11 +332,16 @@ def test_shortlist_runs_the_block_on_the_best_grid_points_by_the_linear_loss():
 
     gram = x.t() @ x / x.shape[0]
     x_mean = activation_mean(x)
-    _, _, linear_losses = search_scales(x_mean, [q, k], None, ct_fake_quantize, AWQSearchConfig(group_size=32), gram=gram)
-    _, _, block_losses = search_scales(x_mean, [q, k], block, ct_fake_quantize, AWQSearchConfig(group_size=32))
+    _, _, linear_losses = search_scales(
+        x_mean, [q, k], None, ct_fake_quantize, AWQSearchConfig(group_size=32), gram=gram
+    )
+    _, _, block_losses = search_scales(
+        x_mean, [q, k], block, ct_fake_quantize, AWQSearchConfig(group_size=32)
+    )
     num_calls = 0
-    scales, alpha, losses = search_scales(x_mean, [q, k], block, ct_fake_quantize,
-                                          AWQSearchConfig(group_size=32, shortlist=3), gram=gram)
+    scales, alpha, losses = search_scales(
+        x_mean, [q, k], block, ct_fake_quantize, AWQSearchConfig(group_size=32, shortlist=3), gram=gram
+    )
     assert num_calls == 4
     shortlisted = sorted(sorted(range(20), key=linear_losses.__getitem__)[:3])
     assert losses == pytest.approx([block_losses[i] for i in shortlisted], rel=1e-5)
@@ -305,7 +350,9 @@ def test_shortlist_runs_the_block_on_the_best_grid_points_by_the_linear_loss():
     torch.testing.assert_close(scales, duo_scales(x_mean, weight_mean(before, 32), best / 20))
     torch.testing.assert_close(q.weight, before[0])
     num_calls = 0  # shortlist 0 (the default): every grid point runs the block, as without a Gram matrix
-    _, _, all_losses = search_scales(x_mean, [q, k], block, ct_fake_quantize, AWQSearchConfig(group_size=32), gram=gram)
+    _, _, all_losses = search_scales(
+        x_mean, [q, k], block, ct_fake_quantize, AWQSearchConfig(group_size=32), gram=gram
+    )
     assert num_calls == 21 and all_losses == pytest.approx(block_losses, rel=1e-6)
 
 

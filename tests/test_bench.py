@@ -1,5 +1,5 @@
-"""`ascq bench latency|throughput`: vLLM's metric names, result files, and `--compare` catching a real slowdown
-(the test slows the model runner's step down itself)."""
+"""`ascq bench latency|throughput`: vLLM's metric names, result files, and `--compare` catching a real
+slowdown (the test slows the model runner's step down itself)."""
 
 from __future__ import annotations
 
@@ -60,8 +60,24 @@ def test_throughput_compare_passes_unchanged_and_fails_on_slowdown(
 
 def test_latency_reports_batch_latency(tiny_llama_dir: Path, tmp_path: Path) -> None:
     result = tmp_path / "latency.json"
-    argv = ["bench", "latency", "--model", str(tiny_llama_dir), "--batch-size", "2", "--input-len", "8",
-            "--output-len", "6", "--num-iters", "2", "--num-iters-warmup", "0", "--save-result", str(result)]
+    argv = [
+        "bench",
+        "latency",
+        "--model",
+        str(tiny_llama_dir),
+        "--batch-size",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "6",
+        "--num-iters",
+        "2",
+        "--num-iters-warmup",
+        "0",
+        "--save-result",
+        str(result),
+    ]
     assert run_cli(argv) == 0
     metrics = load_result(result)["metrics"]
     assert metrics["p50_latency_ms"] > 0 and metrics["completed"] == 2

@@ -107,8 +107,8 @@ def test_block_keys_are_sha256_chained_over_parent_and_tokens():
 
 
 def test_colliding_block_keys_never_share_kv(monkeypatch: pytest.MonkeyPatch):
-    """Every block key collides (the old Python-hash keying and the new one, both made constant): a request whose
-    tokens differ must not get the first request's KV blocks; one with the same tokens still hits."""
+    """Every block key collides (the old Python-hash keying and the new one, both made constant): a request
+    whose tokens differ must not get the first request's KV blocks; one with the same tokens still hits."""
     monkeypatch.setattr(block_manager, "hash", lambda _: 0, raising=False)  # the keying before sha256
     monkeypatch.setattr(block_manager, "block_key", lambda *_: b"\0" * 32, raising=False)
     bm = BlockManager(num_blocks=8, block_size=4)

@@ -1,4 +1,5 @@
-"""`ascq convert` on the fixtures: every shipped recipe, transformers interop, quality, bad input, atomicity."""
+"""`ascq convert` on the fixtures: every shipped recipe, transformers interop, quality, bad input,
+atomicity."""
 
 from __future__ import annotations
 
@@ -17,15 +18,33 @@ from ascq.zoo.verify import verify_entry
 RECIPES = [("w8a8",), ("w8a8-static",), ("w4a16-rtn",), ("w8a16",), ("w8a8", "fp8-kv")]
 EXPECTED = {  # recipe -> (format, q_proj tensors and dtypes)
     "w8a8": ("int-quantized", {"weight": torch.int8, "weight_scale": torch.bfloat16}),
-    "w8a8-static": ("int-quantized", {"weight": torch.int8, "weight_scale": torch.bfloat16, "input_scale": torch.bfloat16}),
-    "w4a16-rtn": ("pack-quantized", {"weight_packed": torch.int32, "weight_scale": torch.bfloat16, "weight_shape": torch.int64, "weight_zero_point": torch.int32}),
-    "w8a16": ("pack-quantized", {"weight_packed": torch.int32, "weight_scale": torch.bfloat16, "weight_shape": torch.int64}),
-}  # fmt: skip
+    "w8a8-static": (
+        "int-quantized",
+        {"weight": torch.int8, "weight_scale": torch.bfloat16, "input_scale": torch.bfloat16},
+    ),
+    "w4a16-rtn": (
+        "pack-quantized",
+        {
+            "weight_packed": torch.int32,
+            "weight_scale": torch.bfloat16,
+            "weight_shape": torch.int64,
+            "weight_zero_point": torch.int32,
+        },
+    ),
+    "w8a16": (
+        "pack-quantized",
+        {"weight_packed": torch.int32, "weight_scale": torch.bfloat16, "weight_shape": torch.int64},
+    ),
+}
 
 
 def _tensors(entry) -> dict[str, torch.Tensor]:
     index = entry / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else ["model.safetensors"]
+    )
     out = {}
     for file in files:
         with safe_open(entry / file, framework="pt") as f:
@@ -41,22 +60,34 @@ def test_each_recipe_converts_each_fixture(request, converted_entry, recipes, fi
     entry = converted_entry(base, recipes)
     manifest = read_manifest(entry)
     verify_files(entry, manifest)
-    assert any("tensor names match compressed-tensors" in line for line in verify_entry(entry))  # `ascq zoo verify`
+    assert any(
+        "tensor names match compressed-tensors" in line for line in verify_entry(entry)
+    )  # `ascq zoo verify`
     qconfig = json.loads((entry / "config.json").read_text())["quantization_config"]
     fmt, q_proj = EXPECTED[recipes[0]]
     assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == fmt
     assert qconfig["quantization_status"] == "compressed" and "lm_head" in qconfig["ignore"]
     tensors = _tensors(entry)
     layer = "model.layers.1."
-    assert {k[len(layer + "self_attn.q_proj."):]: v.dtype for k, v in tensors.items() if k.startswith(layer + "self_attn.q_proj.")} == q_proj
+    assert {
+        k[len(layer + "self_attn.q_proj.") :]: v.dtype
+        for k, v in tensors.items()
+        if k.startswith(layer + "self_attn.q_proj.")
+    } == q_proj
     assert tensors["lm_head.weight"].dtype == tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
     if fixture == "tiny_deepseek_moe_dir":  # router kept in bf16 and listed in ignore; experts quantized
-        assert tensors[layer + "mlp.gate.weight"].dtype == torch.bfloat16 and layer + "mlp.gate" in qconfig["ignore"]
+        assert (
+            tensors[layer + "mlp.gate.weight"].dtype == torch.bfloat16
+            and layer + "mlp.gate" in qconfig["ignore"]
+        )
         assert any(k.startswith(layer + "mlp.experts.15.down_proj.weight_") for k in tensors)
         assert any(k.startswith(layer + "mlp.shared_experts.up_proj.weight_") for k in tensors)
     if "fp8-kv" in recipes:
         assert qconfig["kv_cache_scheme"]["type"] == "float"
-        assert tensors[layer + "self_attn.k_scale"].shape == (1,) and tensors[layer + "self_attn.v_scale"].item() > 0
+        assert (
+            tensors[layer + "self_attn.k_scale"].shape == (1,)
+            and tensors[layer + "self_attn.v_scale"].item() > 0
+        )
     assert manifest["recipe"]["names"] == list(recipes) and manifest["calibration"]["num_samples"] > 0
     metrics = manifest["metrics"]
     assert metrics["perplexity"] < 1.2 * metrics["perplexity_base"]  # every recipe is a usable model
@@ -91,12 +122,15 @@ def test_w8a8_perplexity_within_2_percent(request, converted_entry, fixture):
 
 @pytest.mark.slow
 def test_smoothing_beats_no_smoothing_on_outlier_stress(converted_entry, tiny_llama_dir, tmp_path):
-    """On tiny-llama's outlier-stress variant (k=30 channels, function-preserving) SmoothQuant must help w8a8."""
+    """On tiny-llama's outlier-stress variant (k=30 channels, function-preserving) SmoothQuant must help
+    w8a8."""
     from ascq.quantize.outlier_stress import write_outlier_stress
 
     stress = write_outlier_stress(tiny_llama_dir, tmp_path / "tiny-llama-outlier-stress")
     recipe = tmp_path / "w8a8-nosmooth.yaml"
-    recipe.write_text("quant_stage:\n  quant_modifiers:\n    QuantizationModifier: {targets: [Linear], scheme: W8A8}\n")
+    recipe.write_text(
+        "quant_stage:\n  quant_modifiers:\n    QuantizationModifier: {targets: [Linear], scheme: W8A8}\n"
+    )
     smoothed = read_manifest(converted_entry(stress, ("w8a8",)))["metrics"]
     plain = read_manifest(converted_entry(stress, (str(recipe),)))["metrics"]
     assert smoothed["perplexity_base"] == pytest.approx(plain["perplexity_base"])

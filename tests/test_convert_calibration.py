@@ -1,4 +1,5 @@
-"""Calibration data through `datasets`: local text/json/jsonl/parquet files and folders, Hub ids offline, packing."""
+"""Calibration data through `datasets`: local text/json/jsonl/parquet files and folders, Hub ids offline,
+packing."""
 
 from __future__ import annotations
 
@@ -87,12 +88,36 @@ def test_no_eval_skips_the_perplexity_and_rejects_an_eval_text(tiny_llama_dir, t
 
     fast = ["--num-samples", "2", "--seq-len", "32"]
     with pytest.raises(SystemExit) as exc:
-        main(["convert", str(tiny_llama_dir), "--recipe", "w8a16", "--out", str(tmp_path / "a"), "--no-eval",
-              "--eval-text", str(tiny_llama_dir / "config.json"), *fast])
+        main(
+            [
+                "convert",
+                str(tiny_llama_dir),
+                "--recipe",
+                "w8a16",
+                "--out",
+                str(tmp_path / "a"),
+                "--no-eval",
+                "--eval-text",
+                str(tiny_llama_dir / "config.json"),
+                *fast,
+            ]
+        )
     assert exc.value.code == 1 and "contradict" in capsys.readouterr().err and not (tmp_path / "a").exists()
     with pytest.raises(SystemExit) as exc:
-        main(["convert", str(tiny_llama_dir), "--recipe", "w8a16", "--out", str(tmp_path / "a"), "--no-eval",
-              "--max-eval-tokens", "512", *fast])
+        main(
+            [
+                "convert",
+                str(tiny_llama_dir),
+                "--recipe",
+                "w8a16",
+                "--out",
+                str(tmp_path / "a"),
+                "--no-eval",
+                "--max-eval-tokens",
+                "512",
+                *fast,
+            ]
+        )
     assert exc.value.code == 1 and "contradict" in capsys.readouterr().err and not (tmp_path / "a").exists()
     for flag, has_perplexity in (("--no-eval", False), ("--eval", True)):
         entry = tmp_path / flag

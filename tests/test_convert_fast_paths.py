@@ -1,5 +1,6 @@
-"""The converter's speed paths compute what the plain paths compute: bit for bit where the same operations run in
-another order or batching, to float rounding where the math is rearranged (fused attention, Gram-matrix losses)."""
+"""The converter's speed paths compute what the plain paths compute: bit for bit where the same operations run
+in another order or batching, to float rounding where the math is rearranged (fused attention, Gram-matrix
+losses)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def fake_quantize(w: torch.Tensor) -> torch.Tensor:
 
 def tiny_layer(tiny_llama_dir, index: int = 0) -> tuple:
     arch = load_architecture(tiny_llama_dir)
-    layer = arch.build_layer(index, CheckpointReader(tiny_llama_dir).get_prefix(arch.layer_prefix(index), torch.float32))
+    layer = arch.build_layer(
+        index, CheckpointReader(tiny_llama_dir).get_prefix(arch.layer_prefix(index), torch.float32)
+    )
     return arch, layer
 
 
@@ -54,14 +57,20 @@ def test_alpha_grid_gram_loss_equals_the_linear_output_loss():
     config = awq.AWQSearchConfig(group_size=32)
     x_mean = awq.activation_mean(x)
     plain = awq.search_scales(x_mean, [linear], lambda: linear(x), fake_quantize, config)
-    gram = awq.search_scales(x_mean, [linear], lambda: linear(x), fake_quantize, config, gram=x.t() @ x / x.shape[0])
+    gram = awq.search_scales(
+        x_mean, [linear], lambda: linear(x), fake_quantize, config, gram=x.t() @ x / x.shape[0]
+    )
     assert torch.equal(linear.weight, before)
     assert gram[2] == pytest.approx(plain[2], rel=1e-4)
     assert gram[1] == plain[1] and torch.equal(gram[0], plain[0])
-    second = nn.Linear(64, 8)  # several linears reading x: the Gram loss is the MSE of their concatenated outputs
+    second = nn.Linear(
+        64, 8
+    )  # several linears reading x: the Gram loss is the MSE of their concatenated outputs
     outputs = lambda: torch.cat([linear(x), second(x)], dim=-1)  # noqa: E731
     plain = awq.search_scales(x_mean, [linear, second], outputs, fake_quantize, config)
-    gram = awq.search_scales(x_mean, [linear, second], None, fake_quantize, config, gram=x.t() @ x / x.shape[0])
+    gram = awq.search_scales(
+        x_mean, [linear, second], None, fake_quantize, config, gram=x.t() @ x / x.shape[0]
+    )
     assert gram[2] == pytest.approx(plain[2], rel=1e-4)
     assert gram[1] == plain[1] and torch.equal(gram[0], plain[0])
 
@@ -126,7 +135,9 @@ def test_shared_activation_quantizer_is_bit_identical_and_quantizes_once():
     static_shared: dict = {}
     first = activation_pre_hook(static, a, static_shared)(None, (y,))[0]
     second = activation_pre_hook(static, b, static_shared)(None, (y,))[0]  # another scale: its own result
-    assert torch.equal(first, qmath.static_fake_quantize(y, a)) and torch.equal(second, qmath.static_fake_quantize(y, b))
+    assert torch.equal(first, qmath.static_fake_quantize(y, a)) and torch.equal(
+        second, qmath.static_fake_quantize(y, b)
+    )
 
 
 def test_fused_attention_matches_the_reference_attention(tiny_llama_dir):
@@ -162,7 +173,9 @@ def test_alpha_grid_with_stacked_candidates_is_bit_identical():
 
     config = awq.AWQSearchConfig(group_size=32)
     one_at_a_time = awq.search_scales(awq.activation_mean(x), [q, k], block, fake_quantize, config)
-    stacked = awq.search_scales(awq.activation_mean(x), [q, k], block, fake_quantize, config, rows_independent=True)
+    stacked = awq.search_scales(
+        awq.activation_mean(x), [q, k], block, fake_quantize, config, rows_independent=True
+    )
     assert stacked[2] == one_at_a_time[2] and stacked[1] == one_at_a_time[1]
     assert torch.equal(stacked[0], one_at_a_time[0]) and one_at_a_time[1] > 0
 
@@ -177,11 +190,14 @@ def test_residual_blocks_compose_to_the_layer(tiny_llama_dir):
         h = arch.forward_block(layer, block, h, position_ids)
     assert torch.equal(h, arch.forward_layer(layer, x, position_ids))
     names = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
-    assert all(sum(b.contains(n) for b in arch.blocks) == 1 for n in names), "every linear in exactly one block"
+    assert all(sum(b.contains(n) for b in arch.blocks) == 1 for n in names), (
+        "every linear in exactly one block"
+    )
 
 
 def test_capture_inputs_stops_before_the_last_linear_runs_and_sees_its_input(tiny_llama_dir):
-    """The MLP block's captured down_proj inputs are plain PyTorch's silu(gate(n)) * up(n), and down_proj never runs."""
+    """The MLP block's captured down_proj inputs are plain PyTorch's silu(gate(n)) * up(n), and down_proj
+    never runs."""
     arch, layer = tiny_layer(tiny_llama_dir)
     torch.manual_seed(0)
     inputs = [torch.randn(2, 16, arch.hidden_size), torch.randn(1, 16, arch.hidden_size)]
@@ -194,20 +210,27 @@ def test_capture_inputs_stops_before_the_last_linear_runs_and_sees_its_input(tin
     mlp = layer.mlp
     for x, got in zip(inputs, cap.inputs("mlp.down_proj"), strict=True):
         n = layer.post_attention_layernorm(x)
-        torch.testing.assert_close(got, torch.nn.functional.silu(n @ mlp.gate_proj.weight.T) * (n @ mlp.up_proj.weight.T))
+        torch.testing.assert_close(
+            got, torch.nn.functional.silu(n @ mlp.gate_proj.weight.T) * (n @ mlp.up_proj.weight.T)
+        )
     assert ctx.balance_groups() and all(mlp_block.contains(g.smooth_layer) for g in ctx.balance_groups())
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_integer_gemm_propagation_matches_the_fake_quantized_fp32_forward(tiny_llama_dir, monkeypatch, static):
+def test_integer_gemm_propagation_matches_the_fake_quantized_fp32_forward(
+    tiny_llama_dir, monkeypatch, static
+):
     from ascq.kernels import cpu
     from ascq.quantize.modifier import QuantizedLinear
     from ascq.quantize.reference_forward import install_quantized, integer_gemm_applies
     from ascq.quantize.schemes import LinearTarget
 
     weights = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True)
-    activations = QuantizationArgs(num_bits=8, type="int", strategy="tensor", symmetric=True, dynamic=False) if static \
+    activations = (
+        QuantizationArgs(num_bits=8, type="int", strategy="tensor", symmetric=True, dynamic=False)
+        if static
         else W8_TOKEN
+    )
     torch.manual_seed(0)
     x = torch.randn(3, 40, 256) * 2
     outputs = {}
@@ -237,8 +260,16 @@ def _gptq_context(tiny_llama_dir, propagate_in_place: bool) -> tuple:
     targets, _, _ = layer_targets(layer, arch.layer_prefix(0), [modifier.quant_scheme()])
     torch.manual_seed(0)
     inputs = [torch.randn(2, 48, 256) * 3 for _ in range(2)]
-    ctx = LayerContext(0, arch.layer_prefix(0), arch, fast_layer(layer), inputs, targets, torch.bfloat16,
-                       propagate_in_place=propagate_in_place)
+    ctx = LayerContext(
+        0,
+        arch.layer_prefix(0),
+        arch,
+        fast_layer(layer),
+        inputs,
+        targets,
+        torch.bfloat16,
+        propagate_in_place=propagate_in_place,
+    )
     return modifier, ctx
 
 
@@ -282,8 +313,8 @@ def test_gptq_of_stacked_linears_equals_each_linears_own():
 
 
 def test_bf16_products_layer_matches_fp32_to_bf16_rounding(tiny_llama_dir, monkeypatch):
-    """`fast_layer(layer, bfloat16)`: the same layer function with every product rounded like a bf16 GEMM, while
-    hooks still see the fp32 inputs; q/k/v and gate/up round their shared input once."""
+    """`fast_layer(layer, bfloat16)`: the same layer function with every product rounded like a bf16 GEMM,
+    while hooks still see the fp32 inputs; q/k/v and gate/up round their shared input once."""
     from ascq.quantize import pipeline
 
     arch, layer = tiny_layer(tiny_llama_dir)

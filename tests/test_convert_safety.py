@@ -19,16 +19,31 @@ from ascq.quantize.convert import ConvertOptions, convert, default_output
 from ascq.quantize.synthetic import write_synthetic_checkpoint
 
 LLAMA = dict(
-    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64, intermediate_size=128,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-    max_position_embeddings=512, tie_word_embeddings=True, torch_dtype="bfloat16", bos_token_id=256, eos_token_id=256,
-)  # fmt: skip
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+    bos_token_id=256,
+    eos_token_id=256,
+)
 FAST = ["--num-samples", "2", "--seq-len", "32"]
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _run_cli(argv: list[str], capsys) -> tuple[int, str]:
@@ -50,12 +65,26 @@ def model(tmp_path_factory) -> Path:
 def test_out_onto_the_source_is_refused_and_source_untouched(tiny_llama_dir, capsys) -> None:
     before = _tree_digest(tiny_llama_dir)
     for extra in ([], ["--overwrite"]):
-        code, err = _run_cli(["convert", str(tiny_llama_dir), "--recipe", "w8a8", "--out", str(tiny_llama_dir), *extra], capsys)
+        code, err = _run_cli(
+            ["convert", str(tiny_llama_dir), "--recipe", "w8a8", "--out", str(tiny_llama_dir), *extra], capsys
+        )
         assert code == 1 and "is the source model folder or contains it" in err and err.count("\n") == 1
-    code, err = _run_cli(["convert", str(tiny_llama_dir), "--recipe", "w8a8", "--out", str(tiny_llama_dir.parent),
-                          "--overwrite"], capsys)  # fmt: skip
+    code, err = _run_cli(
+        [
+            "convert",
+            str(tiny_llama_dir),
+            "--recipe",
+            "w8a8",
+            "--out",
+            str(tiny_llama_dir.parent),
+            "--overwrite",
+        ],
+        capsys,
+    )
     assert code == 1 and "contains it" in err
-    code, err = _run_cli(["convert", str(tiny_llama_dir), "--recipe", "w8a8", "--out", str(tiny_llama_dir / "sub")], capsys)
+    code, err = _run_cli(
+        ["convert", str(tiny_llama_dir), "--recipe", "w8a8", "--out", str(tiny_llama_dir / "sub")], capsys
+    )
     assert code == 1 and "inside the source model folder" in err
     assert _tree_digest(tiny_llama_dir) == before
     assert not [p for p in tiny_llama_dir.parent.iterdir() if p.name.startswith(".tiny-llama.")]
@@ -83,7 +112,9 @@ def test_overwrite_never_replaces_a_file_or_a_folder_that_is_not_an_entry(model,
     folder.mkdir()
     (folder / "data.bin").write_bytes(b"precious")
     for target, message in ((a_file, "exists and is not a folder"), (folder, "is not a zoo entry")):
-        code, err = _run_cli(["convert", str(model), "--recipe", "w8a8", "--out", str(target), "--overwrite", *FAST], capsys)
+        code, err = _run_cli(
+            ["convert", str(model), "--recipe", "w8a8", "--out", str(target), "--overwrite", *FAST], capsys
+        )
         assert code == 1 and message in err and err.count("\n") == 1
     assert a_file.read_text() == "mine" and (folder / "data.bin").read_bytes() == b"precious"
 
@@ -105,7 +136,9 @@ def test_stale_staging_is_named_and_removed_by_convert_and_gc(model, tmp_path, c
     (stale / "part-00001.safetensors").write_bytes(b"partial")
     live = tmp_path / f".entry.staging-{os.getpid()}-x2"  # a writer that is still running: left alone
     live.mkdir()
-    code, err = _run_cli(["convert", str(model), "--recipe", "w8a8", "--out", str(tmp_path / "entry"), *FAST], capsys)
+    code, err = _run_cli(
+        ["convert", str(model), "--recipe", "w8a8", "--out", str(tmp_path / "entry"), *FAST], capsys
+    )
     assert code == 0 and f"removing {stale}, left by an interrupted write" in caplog.text
     assert not stale.exists() and live.exists()
     other = tmp_path / f".other.old-{dead}-x3"
@@ -115,15 +148,39 @@ def test_stale_staging_is_named_and_removed_by_convert_and_gc(model, tmp_path, c
     shutil.rmtree(live)
 
 
-@pytest.mark.parametrize(("sig", "code", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.parametrize(
+    ("sig", "code", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
 def test_signal_during_convert_removes_staging(sig, code, word, tmp_path) -> None:
     model = tmp_path / "model"
-    write_synthetic_checkpoint(model, dict(LLAMA, num_hidden_layers=24, hidden_size=256, intermediate_size=512))
+    write_synthetic_checkpoint(
+        model, dict(LLAMA, num_hidden_layers=24, hidden_size=256, intermediate_size=512)
+    )
     out = tmp_path / "zoo" / "entry"
-    cmd = [sys.executable, "-m", "ascq.cli", "convert", str(model), "--recipe", "w8a8", "--out", str(out),
-           "--num-samples", "32", "--seq-len", "128", "--max-shard-size", "1MB"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ascq.cli",
+        "convert",
+        str(model),
+        "--recipe",
+        "w8a8",
+        "--out",
+        str(out),
+        "--num-samples",
+        "32",
+        "--seq-len",
+        "128",
+        "--max-shard-size",
+        "1MB",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not list(out.parent.glob(".entry.staging-*/part-00001.safetensors")):
@@ -136,7 +193,9 @@ def test_signal_during_convert_removes_staging(sig, code, word, tmp_path) -> Non
             proc.kill()
             proc.wait()
     assert proc.returncode == code, err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]  # splitlines also cuts tqdm's \r
+    errors = [
+        line for line in err.splitlines() if line.startswith("error:")
+    ]  # splitlines also cuts tqdm's \r
     assert len(errors) == 1 and errors[0].startswith(f"error: {word}") and "Traceback" not in err, err
     assert list(out.parent.iterdir()) == []
 
@@ -150,7 +209,9 @@ def test_sigterm_that_surfaces_as_another_exception_is_still_terminated() -> Non
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)  # the handler raises here
             except Terminated:
-                raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+                raise ValueError(
+                    "could not determine the shape of object type 'torch.storage.UntypedStorage'"
+                ) from None
     assert isinstance(info.value.__cause__, ValueError)
     with pytest.raises(ValueError):  # no signal: other errors pass through unchanged
         with sigterm_raises():

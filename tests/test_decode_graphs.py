@@ -1,5 +1,6 @@
-"""Decode graphs (`enforce_eager=False`, ascq/runtime/worker/decode_graphs.py): greedy tokens identical to eager, for dense
-fp32 fixtures, the MoE fixture, quantized checkpoints and SmolLM2 (slow); `enforce_eager=True` compiles nothing."""
+"""Decode graphs (`enforce_eager=False`, ascq/runtime/worker/decode_graphs.py): greedy tokens identical to
+eager, for dense fp32 fixtures, the MoE fixture, quantized checkpoints and SmolLM2 (slow);
+`enforce_eager=True` compiles nothing."""
 
 from __future__ import annotations
 
@@ -22,9 +23,15 @@ def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[l
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def compare(model: Path | str, dtype: str, max_tokens: int = 12, prompts: list[list[int]] = PROMPTS,
-            max_num_seqs: int = 4) -> LLM:
-    """Greedy tokens of graphs vs eager, together (batches up to max_num_seqs) and each prompt alone (batch 1)."""
+def compare(
+    model: Path | str,
+    dtype: str,
+    max_tokens: int = 12,
+    prompts: list[list[int]] = PROMPTS,
+    max_num_seqs: int = 4,
+) -> LLM:
+    """Greedy tokens of graphs vs eager, together (batches up to max_num_seqs) and each prompt alone (batch
+    1)."""
     kwargs = dict(dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_memory=32 << 20)
     graphs = LLM(str(model), enforce_eager=False, **kwargs)
     assert graphs.engine.runner.decode_graphs is not None
@@ -62,12 +69,16 @@ def test_tiny_deepseek_moe_graphs_match_eager(tiny_deepseek_moe_dir: Path) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe, dtype", [("w4a16-rtn", "bfloat16"), ("w8a8", "float32"), ("w8a16", "bfloat16")])
+@pytest.mark.parametrize(
+    "recipe, dtype", [("w4a16-rtn", "bfloat16"), ("w8a8", "float32"), ("w8a16", "bfloat16")]
+)
 def test_quantized_graphs_match_eager(tiny_llama_dir: Path, converted_entry, recipe: str, dtype: str) -> None:
     torch._dynamo.utils.counters.clear()
     compare(converted_entry(tiny_llama_dir, (recipe,)), dtype)
     if recipe != "w8a8":  # fbgemm's packed params are opaque to dynamo: w8a8 layers run with graph breaks
-        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+        assert not torch._dynamo.utils.counters["graph_break"], dict(
+            torch._dynamo.utils.counters["graph_break"]
+        )
 
 
 @pytest.mark.slow

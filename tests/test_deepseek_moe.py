@@ -1,4 +1,5 @@
-"""The plain-PyTorch DeepSeek-MoE reference against independently written math and against transformers' Llama."""
+"""The plain-PyTorch DeepSeek-MoE reference against independently written math and against transformers'
+Llama."""
 
 from __future__ import annotations
 
@@ -14,24 +15,60 @@ from ascq.core.errors import AscqError
 from ascq.models.deepseek_moe import DeepseekConfig, DeepseekForCausalLM, DeepseekMoE, load_deepseek
 
 TINY = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=8, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=2,
-    first_k_dense_replace=1, moe_layer_freq=1, rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.2,
-)  # fmt: skip
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=8,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    n_routed_experts=6,
+    num_experts_per_tok=2,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    initializer_range=0.2,
+)
 
 # keys of deepseek-ai/deepseek-moe-16b-base's config.json
 DEEPSEEK_16B_CONFIG = {
-    "architectures": ["DeepseekForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekConfig"}, "aux_loss_alpha": 0.001,
-    "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_act": "silu",
-    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944, "max_position_embeddings": 4096,
-    "model_type": "deepseek", "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_routed_experts": 64,
-    "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
-    "num_hidden_layers": 28, "num_key_value_heads": 16, "pretraining_tp": 1, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 10000, "scoring_func": "softmax", "seq_aux": True,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0", "use_cache": True,
+    "architectures": ["DeepseekForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekConfig"},
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 10944,
+    "max_position_embeddings": 4096,
+    "model_type": "deepseek",
+    "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "norm_topk_prob": False,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 16,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000,
+    "scoring_func": "softmax",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0",
+    "use_cache": True,
     "vocab_size": 102400,
-}  # fmt: skip
+}
 
 
 def tiny_model(seed: int = 0, **overrides) -> DeepseekForCausalLM:
@@ -44,7 +81,11 @@ def rms_norm(x, weight, eps):
 
 
 def mlp(x, prefix, sd):
-    return F.silu(x @ sd[f"{prefix}.gate_proj.weight"].T) * (x @ sd[f"{prefix}.up_proj.weight"].T) @ sd[f"{prefix}.down_proj.weight"].T
+    return (
+        F.silu(x @ sd[f"{prefix}.gate_proj.weight"].T)
+        * (x @ sd[f"{prefix}.up_proj.weight"].T)
+        @ sd[f"{prefix}.down_proj.weight"].T
+    )
 
 
 def moe_by_hand(x, prefix, sd, cfg):
@@ -52,7 +93,9 @@ def moe_by_hand(x, prefix, sd, cfg):
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         scores = torch.softmax(sd[f"{prefix}.gate.weight"] @ x[t], dim=0)
-        chosen = sorted(range(cfg.n_routed_experts), key=lambda e: -scores[e].item())[: cfg.num_experts_per_tok]
+        chosen = sorted(range(cfg.n_routed_experts), key=lambda e: -scores[e].item())[
+            : cfg.num_experts_per_tok
+        ]
         total = sum(scores[e] for e in chosen) if cfg.norm_topk_prob else 1.0
         for e in chosen:
             out[t] += scores[e] / total * mlp(x[t], f"{prefix}.experts.{e}", sd)
@@ -88,9 +131,13 @@ def forward_by_hand(model: DeepseekForCausalLM, ids: torch.Tensor) -> torch.Tens
     x = sd["model.embed_tokens.weight"][ids]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
-        x = x + attention_by_hand(rms_norm(x, sd[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps), f"{p}.self_attn", sd, cfg)
+        x = x + attention_by_hand(
+            rms_norm(x, sd[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps), f"{p}.self_attn", sd, cfg
+        )
         h = rms_norm(x, sd[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        x = x + (moe_by_hand(h, f"{p}.mlp", sd, cfg) if i >= cfg.first_k_dense_replace else mlp(h, f"{p}.mlp", sd))
+        x = x + (
+            moe_by_hand(h, f"{p}.mlp", sd, cfg) if i >= cfg.first_k_dense_replace else mlp(h, f"{p}.mlp", sd)
+        )
     return rms_norm(x, sd["model.norm.weight"], cfg.rms_norm_eps) @ sd["lm_head.weight"].T
 
 
@@ -108,15 +155,26 @@ def test_state_dict_keys_are_hf_names():
     assert tuple(tiny_model().state_dict()["model.layers.1.mlp.gate.weight"].shape) == (6, 32)
     for name in ("gate", "experts.5.up_proj", "shared_experts.down_proj"):
         assert f"model.layers.2.mlp.{name}.weight" in keys
-    assert tuple(tiny_model().state_dict()["model.layers.1.mlp.shared_experts.gate_proj.weight"].shape) == (16, 32)
+    assert tuple(tiny_model().state_dict()["model.layers.1.mlp.shared_experts.gate_proj.weight"].shape) == (
+        16,
+        32,
+    )
 
 
 def test_without_routed_experts_equals_transformers_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = tiny_model(n_routed_experts=None)
-    llama_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "rms_norm_eps", "rope_theta")  # fmt: skip
+    llama_keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "rope_theta",
+    )
     llama = LlamaForCausalLM(LlamaConfig(**{k: TINY[k] for k in llama_keys}, tie_word_embeddings=False))
     llama.load_state_dict(model.state_dict(), strict=True)
     ids = torch.randint(0, 64, (2, 9))
@@ -197,7 +255,12 @@ def test_load_deepseek_bad_inputs(tmp_path):
 
 def test_config_accepts_the_16b_config_and_rejects_unsupported():
     cfg = DeepseekConfig.from_dict(DEEPSEEK_16B_CONFIG)
-    assert (cfg.n_routed_experts, cfg.head_dim, cfg.is_moe_layer(0), cfg.is_moe_layer(1)) == (64, 128, False, True)
+    assert (cfg.n_routed_experts, cfg.head_dim, cfg.is_moe_layer(0), cfg.is_moe_layer(1)) == (
+        64,
+        128,
+        False,
+        True,
+    )
     hf = cfg.to_hf_dict()
     assert set(DEEPSEEK_16B_CONFIG) - set(hf) == {"auto_map", "transformers_version"}
     for bad in ({"scoring_func": "sigmoid"}, {"hidden_act": "gelu"}, {"rope_scaling": {"type": "yarn"}}):

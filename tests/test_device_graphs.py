@@ -1,11 +1,11 @@
-"""Device graphs (`enforce_eager=False` on cuda / npu, ascq/runtime/worker/device_graphs.py) on the CPU torch_npu EMULATOR
-with its emulated ACL graph API (tests/npu_emulation/graphs.py) installed as `torch.npu`: greedy tokens equal
-eager's for tiny-llama and tiny-deepseek-moe over batch sizes that replay exactly, replay padded and run eagerly past
-the largest capture size, and the graphs were really replayed; plus the emulated graph API itself (host reads
-refused during capture, replay reads the static buffers' current values).
+"""Device graphs (`enforce_eager=False` on cuda / npu, ascq/runtime/worker/device_graphs.py) on the CPU
+torch_npu EMULATOR with its emulated ACL graph API (tests/npu_emulation/graphs.py) installed as `torch.npu`:
+greedy tokens equal eager's for tiny-llama and tiny-deepseek-moe over batch sizes that replay exactly, replay
+padded and run eagerly past the largest capture size, and the graphs were really replayed; plus the emulated
+graph API itself (host reads refused during capture, replay reads the static buffers' current values).
 
-The cuda path is the same code with torch.cuda's graph API; it has not run here (no GPU): `benchmarks/cuda_check.py`
-compares graphs-on and eager greedy tokens of tiny-llama on a CUDA device.
+The cuda path is the same code with torch.cuda's graph API; it has not run here (no GPU):
+`benchmarks/cuda_check.py` compares graphs-on and eager greedy tokens of tiny-llama on a CUDA device.
 """
 
 from __future__ import annotations
@@ -33,14 +33,24 @@ def npu_graphs(npu_backend, monkeypatch):
     return emulated_graphs
 
 
-# ---- the emulated graph API ----------------------------------------------------------------------------------
+# ---- the emulated graph API
+# ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("read", [
-    lambda x: x.sum().item(), lambda x: int(x[0]), lambda x: bool(x[0] > 0), lambda x: x.tolist(),
-    lambda x: x.cpu(), lambda x: x.nonzero(), lambda x: torch.bincount(x.long()), lambda x: x.numpy(),
-    lambda x: x.repeat_interleave(x.long()),
-])
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda x: x.sum().item(),
+        lambda x: int(x[0]),
+        lambda x: bool(x[0] > 0),
+        lambda x: x.tolist(),
+        lambda x: x.cpu(),
+        lambda x: x.nonzero(),
+        lambda x: torch.bincount(x.long()),
+        lambda x: x.numpy(),
+        lambda x: x.repeat_interleave(x.long()),
+    ],
+)
 def test_emulated_capture_refuses_host_reads(read) -> None:
     x = torch.arange(1.0, 5.0)
     with pytest.raises(npu_emulation.EmulatedContractError, match="graph capture"):
@@ -74,7 +84,8 @@ def test_emulated_replay_reads_new_inputs_and_runs_no_python() -> None:
     assert g.replay_count == 2 and len(calls) == 1  # the captured Python ran once, at capture
 
 
-# ---- the engine on the emulator -------------------------------------------------------------------------------
+# ---- the engine on the emulator
+# -------------------------------------------------------------------------------
 
 
 def greedy_tokens(llm: LLM) -> list[list[int]]:
@@ -83,19 +94,28 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
 
 
 def engine(model: Path, enforce_eager: bool) -> LLM:
-    return LLM(str(model), device="npu", dtype="bfloat16", block_size=128, kv_cache_memory=16 << 20,
-               max_num_seqs=len(PROMPTS), enforce_eager=enforce_eager)
+    return LLM(
+        str(model),
+        device="npu",
+        dtype="bfloat16",
+        block_size=128,
+        kv_cache_memory=16 << 20,
+        max_num_seqs=len(PROMPTS),
+        enforce_eager=enforce_eager,
+    )
 
 
 def compare(model: Path, monkeypatch) -> device_graphs.DeviceGraphs:
-    """Capture sizes 1, 2, 4 (MAX_CAPTURE_SIZE 4) with max_num_seqs 6: batches 1, 2, 4 replay exactly, 3 replays
-    the size-4 graphs padded, 5 and 6 run eagerly."""
+    """Capture sizes 1, 2, 4 (MAX_CAPTURE_SIZE 4) with max_num_seqs 6: batches 1, 2, 4 replay exactly, 3
+    replays the size-4 graphs padded, 5 and 6 run eagerly."""
     monkeypatch.setattr(device_graphs, "MAX_CAPTURE_SIZE", 4)
     llm = engine(model, enforce_eager=False)
     graphs = llm.engine.runner.device_graphs
     assert graphs is not None and sorted({s.size for s in graphs.steps.values()}) == [1, 2, 4]
     caches = [m.k_cache for m in llm.engine.model.modules() if isinstance(m, Attention)]
-    assert all(cache.isfinite().all() for cache in caches)  # the capture's attention saw replayed q/k/v, not NaN
+    assert all(
+        cache.isfinite().all() for cache in caches
+    )  # the capture's attention saw replayed q/k/v, not NaN
     run, batches = graphs.run, []
 
     def counted(input_ids: torch.Tensor, *args) -> torch.Tensor | None:
@@ -110,7 +130,9 @@ def compare(model: Path, monkeypatch) -> device_graphs.DeviceGraphs:
     assert replayed == [1, 2, 3, 4] and sorted({n for n, hidden in batches if hidden is None}) == [5, 6]
     for size in (1, 2, 4):
         pieces = graphs.steps[size].pieces
-        assert all(p.graph.replay_count > 1 for p in pieces if p.graph is not None)  # capture's one + the steps'
+        assert all(
+            p.graph.replay_count > 1 for p in pieces if p.graph is not None
+        )  # capture's one + the steps'
     return graphs
 
 
@@ -122,7 +144,9 @@ def test_tiny_llama_npu_graphs_match_eager(npu_graphs, tiny_llama_dir: Path, mon
     assert sum(p.graph is None for p in pieces) == num_layers
 
 
-def test_tiny_deepseek_moe_npu_graphs_match_eager(npu_graphs, tiny_deepseek_moe_dir: Path, monkeypatch) -> None:
+def test_tiny_deepseek_moe_npu_graphs_match_eager(
+    npu_graphs, tiny_deepseek_moe_dir: Path, monkeypatch
+) -> None:
     graphs = compare(tiny_deepseek_moe_dir, monkeypatch)
     moe_layers = sum(device_graphs.is_moe(layer) for layer in graphs.decoder.layers)
     assert moe_layers
@@ -135,9 +159,14 @@ def test_enforce_eager_captures_nothing(npu_graphs, tiny_llama_dir: Path) -> Non
     assert runner.device_graphs is None and runner.decode_graphs is None and runner.enforce_eager
 
 
-@pytest.mark.parametrize("recipe", [  # npu_dynamic_quant + npu_quant_matmul; int4 npu_weight_quant_batchmatmul
-    "w8a8", pytest.param("w4a16-rtn", marks=pytest.mark.slow),
-])
-def test_quantized_npu_graphs_match_eager(npu_graphs, npu_converted, tiny_llama_dir: Path, monkeypatch,
-                                          recipe: str) -> None:
+@pytest.mark.parametrize(
+    "recipe",
+    [  # npu_dynamic_quant + npu_quant_matmul; int4 npu_weight_quant_batchmatmul
+        "w8a8",
+        pytest.param("w4a16-rtn", marks=pytest.mark.slow),
+    ],
+)
+def test_quantized_npu_graphs_match_eager(
+    npu_graphs, npu_converted, tiny_llama_dir: Path, monkeypatch, recipe: str
+) -> None:
     compare(npu_converted(tiny_llama_dir, recipe), monkeypatch)

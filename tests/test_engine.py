@@ -29,7 +29,9 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def run_staggered(engine: LLMEngine, requests: list[tuple[list[int], int]], per_step: int = 3) -> dict[str, list[int]]:
+def run_staggered(
+    engine: LLMEngine, requests: list[tuple[list[int], int]], per_step: int = 3
+) -> dict[str, list[int]]:
     pending = list(enumerate(requests))
     done = {}
     while pending or engine.has_unfinished_requests():
@@ -65,7 +67,9 @@ def test_continuous_batching_matches_requests_run_alone(random_llama_dir, byte_t
 @pytest.mark.slow
 def test_preemption_keeps_outputs_and_frees_blocks(random_llama_dir, byte_tokenizer, alone_outputs):
     requests, expected = alone_outputs
-    engine = make_engine(random_llama_dir, byte_tokenizer, num_gpu_blocks_override=32, max_num_batched_tokens=256)
+    engine = make_engine(
+        random_llama_dir, byte_tokenizer, num_gpu_blocks_override=32, max_num_batched_tokens=256
+    )
     assert run_staggered(engine, requests, per_step=8) == expected
     assert engine.get_stats()["num_preemptions"] > 0
     assert_no_leaks(engine)
@@ -122,7 +126,7 @@ def test_abort_frees_blocks_of_running_and_waiting(random_llama_dir, byte_tokeni
 def only_bytes(token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
     """Logits processor: restrict to printable-byte tokens so the byte tokenizer yields text."""
     mask = torch.full_like(logits, float("-inf"))
-    mask[ord("a") + 1:ord("z") + 2] = 0
+    mask[ord("a") + 1 : ord("z") + 2] = 0
     return logits + mask
 
 
@@ -151,9 +155,14 @@ def test_eos_stops_unless_ignored(random_llama_dir, byte_tokenizer):
         return logits
 
     engine = make_engine(random_llama_dir, byte_tokenizer)
-    engine.add_request("eos", [9, 9], SamplingParams(temperature=0, max_tokens=8, logits_processors=[force_eos_after_two]))
-    engine.add_request("ign", [9, 9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                     logits_processors=[force_eos_after_two]))
+    engine.add_request(
+        "eos", [9, 9], SamplingParams(temperature=0, max_tokens=8, logits_processors=[force_eos_after_two])
+    )
+    engine.add_request(
+        "ign",
+        [9, 9],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logits_processors=[force_eos_after_two]),
+    )
     done = drain(engine)
     assert done["eos"].outputs[0].token_ids[-1] == 0 and len(done["eos"].outputs[0].token_ids) == 3
     assert done["eos"].outputs[0].finish_reason == "stop" and done["eos"].outputs[0].stop_reason is None
@@ -162,7 +171,9 @@ def test_eos_stops_unless_ignored(random_llama_dir, byte_tokenizer):
 
 def test_seeded_sampling_is_reproducible_and_n_samples_differ(random_llama_dir, byte_tokenizer):
     engine = make_engine(random_llama_dir, byte_tokenizer)
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True, n=3, logprobs=2)
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True, n=3, logprobs=2
+    )
     engine.add_request("x", [1, 2, 3], params)
     engine.add_request("y", [1, 2, 3], params)
     done = drain(engine)
@@ -187,8 +198,9 @@ def test_block_size_128(random_llama_dir, byte_tokenizer, alone_outputs):
 def test_fp8_kv_cache_doubles_blocks_and_warns_without_scales(random_llama_dir, byte_tokenizer, caplog):
     bf16 = make_engine(random_llama_dir, byte_tokenizer, dtype="bfloat16", kv_cache_memory=8 << 20)
     with caplog.at_level(logging.WARNING, logger="ascq.runtime"):
-        fp8 = make_engine(random_llama_dir, byte_tokenizer, dtype="bfloat16", kv_cache_dtype="fp8",
-                          kv_cache_memory=8 << 20)
+        fp8 = make_engine(
+            random_llama_dir, byte_tokenizer, dtype="bfloat16", kv_cache_dtype="fp8", kv_cache_memory=8 << 20
+        )
     assert "no k/v scales" in caplog.text
     assert fp8.get_stats()["num_total_blocks"] == 2 * bf16.get_stats()["num_total_blocks"]
     assert fp8.model.model.layers[0].self_attn.attn.k_cache.dtype == torch.float8_e4m3fn
@@ -196,7 +208,9 @@ def test_fp8_kv_cache_doubles_blocks_and_warns_without_scales(random_llama_dir, 
 
 def test_input_errors(random_llama_dir, byte_tokenizer):
     engine = make_engine(random_llama_dir, byte_tokenizer, max_model_len=128)
-    with pytest.raises(ValueError, match=r"prompt length 120 \+ max_tokens 16 = 136 exceeds max_model_len 128"):
+    with pytest.raises(
+        ValueError, match=r"prompt length 120 \+ max_tokens 16 = 136 exceeds max_model_len 128"
+    ):
         engine.add_request("long", list(range(1, 121)), SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty", [], SamplingParams())

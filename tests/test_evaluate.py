@@ -14,7 +14,9 @@ from ascq.evaluate import eval_windows, load_eval_token_ids, perplexity, unigram
 
 def test_uniform_model_has_perplexity_vocab_size():
     ids = torch.randint(0, 50, (1000,))
-    assert perplexity(lambda x: torch.zeros(*x.shape, 50), ids, seq_len=64, batch_size=3) == pytest.approx(50.0)
+    assert perplexity(lambda x: torch.zeros(*x.shape, 50), ids, seq_len=64, batch_size=3) == pytest.approx(
+        50.0
+    )
 
 
 def test_perplexity_matches_explicit_loop_over_windows():

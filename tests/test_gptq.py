@@ -1,4 +1,5 @@
-"""GPTQ against the unbatched textbook recursion (explicit inverse-Hessian downdates, float64) and against RTN."""
+"""GPTQ against the unbatched textbook recursion (explicit inverse-Hessian downdates, float64) and against
+RTN."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ SYM = QuantizationArgs(num_bits=4, type="int", strategy="channel", symmetric=Tru
 
 
 def qparams_for(args: QuantizationArgs):
-    def qparams(w: torch.Tensor, importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, groups, len] -> [rows, groups]
+    def qparams(
+        w: torch.Tensor, importance: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, groups, len] -> [rows, groups]
         scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
         return scale.float(), zero.float()
 
@@ -34,7 +37,8 @@ def correlated_inputs(num_tokens: int = 512, dim: int = 64, seed: int = 0) -> to
 
 
 def textbook_gptq(w: torch.Tensor, h: torch.Tensor, group: int, args: QuantizationArgs) -> torch.Tensor:
-    """Column-by-column OBS update with the inverse Hessian downdated after every column (no Cholesky, no blocks)."""
+    """Column-by-column OBS update with the inverse Hessian downdated after every column (no Cholesky, no
+    blocks)."""
     w = w.double().clone()
     h = h.double().clone()
     h.diagonal().add_(0.01 * h.diagonal().mean())
@@ -81,7 +85,9 @@ def test_gptq_matches_textbook_recursion(block_size):
     close = torch.isclose(q, expected, rtol=1e-3, atol=1e-4).float().mean().item()
     assert close > 0.99, f"only {close:.3f} of the weights agree with the textbook recursion"
     assert scale.shape == (24, 2) and zero.shape == (24, 2)
-    torch.testing.assert_close(quant_dequant(q, scale.repeat_interleave(32, 1), zero.repeat_interleave(32, 1)), q)
+    torch.testing.assert_close(
+        quant_dequant(q, scale.repeat_interleave(32, 1), zero.repeat_interleave(32, 1)), q
+    )
 
 
 @pytest.mark.parametrize("actorder", [False, True])
@@ -127,8 +133,8 @@ def test_native_column_loop_matches_the_torch_loop(actorder, monkeypatch):
         monkeypatch.setattr(gptq.native, "available", lambda use_native=use_native: use_native)
         results[use_native] = gptq_quantize(w, hessian, qparams, (0, 15), config)
     (q_native, s_native, z_native), (q_torch, s_torch, z_torch) = results[True], results[False]
-    # the same operations, but torch's rank-1 update may round differently (FMA): a group's parameters can move by
-    # an ulp and a rare code by one step
+    # the same operations, but torch's rank-1 update may round differently (FMA): a group's parameters can
+    # move by an ulp and a rare code by one step
     assert ((q_native - q_torch).abs() > 1e-4).float().mean() < 0.002
     torch.testing.assert_close(q_native, q_torch, rtol=0, atol=float(s_torch.max()) * 1.01)
     torch.testing.assert_close(s_native, s_torch)
@@ -160,12 +166,14 @@ def test_lower_triangular_inverse_is_the_inverse():
 
 
 def test_weighted_mse_ranges_minimise_the_weighted_error():
-    """`weight_ranges` with importance picks, per group, the shrink step of least Σ importance·|q - w|^norm: checked
-    against a plain loop over the steps (float64 errors), native kernel and torch path alike."""
+    """`weight_ranges` with importance picks, per group, the shrink step of least Σ importance·|q - w|^norm:
+    checked against a plain loop over the steps (float64 errors), native kernel and torch path alike."""
     from ascq.kernels import native
 
     torch.manual_seed(0)
-    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False, observer="mse")
+    args = QuantizationArgs(
+        num_bits=4, type="int", strategy="group", group_size=32, symmetric=False, observer="mse"
+    )
     w = torch.randn(16, 96) * 0.05
     w[:, 5] *= 30  # an outlier column: weighting it heavily keeps its range, weighting it lightly clips it
     grouped = qmath.to_groups(w, "group", 32)

@@ -1,4 +1,5 @@
-"""`ascq publish` / `ascq zoo pull` with huggingface_hub against HubDouble, the local TEST DOUBLE of the Hub."""
+"""`ascq publish` / `ascq zoo pull` with huggingface_hub against HubDouble, the local TEST DOUBLE of the
+Hub."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def entry(built_entry: Path, tmp_path: Path) -> Path:
 
 @pytest.fixture
 def converted(converted_entry, tiny_llama_dir: Path, tmp_path: Path) -> Path:
-    """A writable copy of `ascq convert zoo/tiny-llama --recipe w4a16-rtn` (the session's cached conversion)."""
+    """A writable copy of `ascq convert zoo/tiny-llama --recipe w4a16-rtn` (the session's cached
+    conversion)."""
     source = converted_entry(tiny_llama_dir, ("w4a16-rtn",))
     return Path(shutil.copytree(source, tmp_path / "zoo" / "tiny-llama-w4a16-rtn"))
 
@@ -45,7 +47,11 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptu
         monkeypatch.setenv("HF_ENDPOINT", double.endpoint)
         # as in a process started with HF_ENDPOINT set (the library derives these at import)
         monkeypatch.setattr(constants, "ENDPOINT", double.endpoint)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", double.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(
+            constants,
+            "HUGGINGFACE_CO_URL_TEMPLATE",
+            double.endpoint + "/{repo_id}/resolve/{revision}/{filename}",
+        )
         monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # Xet cannot be doubled: plain LFS path
         monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "stored_token"))
         monkeypatch.setenv("HF_TOKEN", TOKEN)
@@ -58,8 +64,13 @@ def local_bytes(entry: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow  # converts tiny-llama (cached for the session, shared with test_convert)
-def test_publish_pull_round_trip_of_a_converted_fixture(hub: HubDouble, converted: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_publish_pull_round_trip_of_a_converted_fixture(
+    hub: HubDouble,
+    converted: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
     assert run("publish", str(converted), "--repo", REPO) == 0
     remote = hub.files(REPO)
     remote.pop(".gitattributes")
@@ -106,10 +117,15 @@ def test_second_publish_of_an_unchanged_entry_uploads_nothing(hub: HubDouble, en
     write_manifest(entry, read_manifest(entry))  # a legitimate change: only it and the manifest go up
     assert run("publish", str(entry), "--repo", REPO) == 0
     commit = [json.loads(line) for line in hub.last_commit_body.decode().splitlines()]
-    assert sorted(op["value"]["path"] for op in commit if op["key"] != "header") == ["ascq.json", "tokenizer.json"]
+    assert sorted(op["value"]["path"] for op in commit if op["key"] != "header") == [
+        "ascq.json",
+        "tokenizer.json",
+    ]
 
 
-def test_tampered_entry_is_refused_before_any_request(hub: HubDouble, entry: Path, capsys: pytest.CaptureFixture) -> None:
+def test_tampered_entry_is_refused_before_any_request(
+    hub: HubDouble, entry: Path, capsys: pytest.CaptureFixture
+) -> None:
     shard = entry / "model-00001-of-00002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
@@ -119,7 +135,9 @@ def test_tampered_entry_is_refused_before_any_request(hub: HubDouble, entry: Pat
     assert hub.requests == []
 
 
-def test_republish_deletes_files_the_entry_no_longer_has(hub: HubDouble, entry: Path, capsys: pytest.CaptureFixture) -> None:
+def test_republish_deletes_files_the_entry_no_longer_has(
+    hub: HubDouble, entry: Path, capsys: pytest.CaptureFixture
+) -> None:
     assert run("publish", str(entry), "--repo", REPO) == 0
     (entry / "tokenizer_config.json").unlink()
     write_manifest(entry, read_manifest(entry))
@@ -128,8 +146,23 @@ def test_republish_deletes_files_the_entry_no_longer_has(hub: HubDouble, entry: 
     assert "deleted from the Hub (no longer in the entry): tokenizer_config.json" in capsys.readouterr().out
 
 
-def test_revision_publishes_to_a_branch_and_pulls_from_it(hub: HubDouble, entry: Path, tmp_path: Path) -> None:
-    assert run("publish", str(entry), "--repo", REPO, "--revision", "w4a16", "--private", "--commit-message", "first") == 0
+def test_revision_publishes_to_a_branch_and_pulls_from_it(
+    hub: HubDouble, entry: Path, tmp_path: Path
+) -> None:
+    assert (
+        run(
+            "publish",
+            str(entry),
+            "--repo",
+            REPO,
+            "--revision",
+            "w4a16",
+            "--private",
+            "--commit-message",
+            "first",
+        )
+        == 0
+    )
     assert "config.json" in hub.files(REPO, "w4a16")
     assert "config.json" not in hub.files(REPO, "main")
     assert hub.repos[REPO].private
@@ -137,7 +170,9 @@ def test_revision_publishes_to_a_branch_and_pulls_from_it(hub: HubDouble, entry:
     assert local_bytes(tmp_path / "from-branch") == local_bytes(entry)
 
 
-def test_dry_run_prints_files_sizes_and_card_without_contacting_the_hub(hub: HubDouble, entry: Path, capsys: pytest.CaptureFixture) -> None:
+def test_dry_run_prints_files_sizes_and_card_without_contacting_the_hub(
+    hub: HubDouble, entry: Path, capsys: pytest.CaptureFixture
+) -> None:
     before = local_bytes(entry)
     assert run("publish", str(entry), "--repo", REPO, "--dry-run") == 0
     out = capsys.readouterr().out
@@ -148,8 +183,14 @@ def test_dry_run_prints_files_sizes_and_card_without_contacting_the_hub(hub: Hub
     assert "base_model_relation: quantized" in out and "## Quality" in out
 
 
-def test_token_never_appears_in_output_or_logs(hub: HubDouble, entry: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+def test_token_never_appears_in_output_or_logs(
+    hub: HubDouble,
+    entry: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     assert run("publish", str(entry), "--repo", REPO) == 0
     monkeypatch.setenv("ASCQ_ZOO", str(tmp_path / "pulled"))
     assert run("zoo", "pull", REPO) == 0
@@ -165,7 +206,9 @@ def test_token_never_appears_in_output_or_logs(hub: HubDouble, entry: Path, tmp_
         assert TOKEN not in text
 
 
-def test_pull_errors_are_one_clear_line(hub: HubDouble, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_pull_errors_are_one_clear_line(
+    hub: HubDouble, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     assert run("zoo", "pull", "test/missing") == 1
     assert "repository not found" in capsys.readouterr().err
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: offline
@@ -175,16 +218,31 @@ def test_pull_errors_are_one_clear_line(hub: HubDouble, monkeypatch: pytest.Monk
     assert run("zoo", "pull", "not-a-repo-id") == 1
 
 
-def test_cli_process_honours_hf_endpoint_and_never_prints_the_token(hub: HubDouble, entry: Path, tmp_path: Path) -> None:
-    """A fresh `ascq` process: huggingface_hub reads HF_ENDPOINT / HF_HUB_DISABLE_XET / HF_TOKEN from the environment."""
+def test_cli_process_honours_hf_endpoint_and_never_prints_the_token(
+    hub: HubDouble, entry: Path, tmp_path: Path
+) -> None:
+    """A fresh `ascq` process: huggingface_hub reads HF_ENDPOINT / HF_HUB_DISABLE_XET / HF_TOKEN from the
+    environment."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, HF_ENDPOINT=hub.endpoint, HF_HUB_DISABLE_XET="1", HF_TOKEN=TOKEN, HF_HOME=str(tmp_path / "hf"),
-               HF_HUB_VERBOSITY="debug", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "ascq.cli", "publish", str(entry), "--repo", "test/from-cli"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        HF_ENDPOINT=hub.endpoint,
+        HF_HUB_DISABLE_XET="1",
+        HF_TOKEN=TOKEN,
+        HF_HOME=str(tmp_path / "hf"),
+        HF_HUB_VERBOSITY="debug",
+        OMP_NUM_THREADS="1",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "ascq.cli", "publish", str(entry), "--repo", "test/from-cli"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "all 8 files match the Hub" in done.stdout
     assert hub.files("test/from-cli")["ascq.json"] == (entry / MANIFEST_NAME).read_bytes()

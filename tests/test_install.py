@@ -1,4 +1,5 @@
-"""Packaging and first-hour CLI: the wheel ships the recipes, `python -m ascq`, `--version`, no torch for `recipes`."""
+"""Packaging and first-hour CLI: the wheel ships the recipes, `python -m ascq`, `--version`, no torch for
+`recipes`."""
 
 from __future__ import annotations
 
@@ -17,8 +18,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_wheel_ships_recipes_and_main(tmp_path: Path) -> None:
     pytest.importorskip("setuptools")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-                           "-w", str(tmp_path), "-q"], capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     names = zipfile.ZipFile(next(tmp_path.glob("ascq-*.whl"))).namelist()
     shipped = {Path(n).stem for n in names if n.startswith("ascq/recipes/") and n.endswith(".yaml")}
@@ -36,15 +52,27 @@ def test_installed_zoo_root_is_not_in_site_packages(monkeypatch: pytest.MonkeyPa
 
 
 def test_version_and_python_m_and_recipes_without_torch(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "ascq", "--version"], capture_output=True, text=True, cwd=tmp_path,
-                         env={"PYTHONPATH": str(ROOT), "PATH": ""})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "ascq", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )
     assert out.returncode == 0 and out.stdout.strip() == f"ascq {__version__}"
-    code = ("import sys; from ascq.cli import main\n"
-            "try:\n    main(['recipes'])\nexcept SystemExit as e:\n    assert not e.code\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\n"
-            "main(['--help'])\n")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                          env={"PYTHONPATH": str(ROOT), "PATH": ""})  # fmt: skip
+    code = (
+        "import sys; from ascq.cli import main\n"
+        "try:\n    main(['recipes'])\nexcept SystemExit as e:\n    assert not e.code\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "main(['--help'])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )
     assert proc.returncode == 0, proc.stderr
     for name in paths.shipped_recipes():
         assert f"\n{name} " in "\n" + proc.stdout
@@ -53,7 +81,9 @@ def test_version_and_python_m_and_recipes_without_torch(tmp_path: Path) -> None:
 def test_generate_resolves_zoo_names_and_explains_hub_ids(capsys) -> None:
     from ascq.cli import main
 
-    main(["generate", "tiny-llama", "--prompt", "def f(", "--max-tokens", "2"])  # the committed fixture, by name
+    main(
+        ["generate", "tiny-llama", "--prompt", "def f(", "--max-tokens", "2"]
+    )  # the committed fixture, by name
     assert capsys.readouterr().out.strip()
     with pytest.raises(SystemExit) as info:
         main(["serve", "someorg/some-model"])

@@ -34,7 +34,13 @@ LINEAR_CASES = [
     ("w4a16", 40, 200, 40, False),
     ("w4a16", 24, 200, None, True),
     ("w4a16", 37, 320, 64, False),
-    ("w4a16", 24, 4160, None, False),  # per channel wider than the native kernel's largest group: replicated scales
+    (
+        "w4a16",
+        24,
+        4160,
+        None,
+        False,
+    ),  # per channel wider than the native kernel's largest group: replicated scales
     ("w8a16", 48, 256, None, True),
     ("w8a16", 40, 200, None, False),
     ("w8a16", 32, 384, 64, True),
@@ -138,7 +144,9 @@ def test_backend_linear_matches_reference(case, backend, dtype):
 def test_cpu_linear_works_after_use_under_inference_mode():
     """The engine runs under inference mode; buffers it grows must stay usable outside it."""
     cpu = get_backend("cpu")
-    w = make_weights("dense", 64, 2048, seed=3)  # larger than any other layer in this file: grows the workspace
+    w = make_weights(
+        "dense", 64, 2048, seed=3
+    )  # larger than any other layer in this file: grows the workspace
     w.weight = w.weight.bfloat16()
     prepared = cpu.prepare_linear(w, torch.bfloat16)
     x = torch.randn(300, 2048).bfloat16()  # bf16 at large M runs through the fp32 workspace
@@ -174,11 +182,15 @@ def test_cpu_backend_picks_the_fast_kernels(scheme, group_size, dtype, kernel):
         assert prepared.weight is None  # 4-bit kernels keep only their packed copy
 
 
-@pytest.mark.parametrize(("scheme", "group_size", "symmetric", "kernel"),
-                         [("w4a16", 64, False, "int4pack"), ("w8a16", None, True, "int8pack")])
-def test_weight_only_falls_back_to_torch_kernels_without_the_native_kernel(monkeypatch, scheme, group_size,
-                                                                           symmetric, kernel):
-    """Where the native kernel cannot build (no compiler, no AVX2), torch's int4pack / int8pack kernels serve bf16."""
+@pytest.mark.parametrize(
+    ("scheme", "group_size", "symmetric", "kernel"),
+    [("w4a16", 64, False, "int4pack"), ("w8a16", None, True, "int8pack")],
+)
+def test_weight_only_falls_back_to_torch_kernels_without_the_native_kernel(
+    monkeypatch, scheme, group_size, symmetric, kernel
+):
+    """Where the native kernel cannot build (no compiler, no AVX2), torch's int4pack / int8pack kernels
+    serve bf16."""
     from ascq.kernels import native
 
     monkeypatch.setattr(native, "load", lambda: None)
@@ -216,8 +228,9 @@ def test_native_packing_round_trips_and_builds_into_its_cache_dir(tmp_path, bits
     assert torch.equal(one_thread, native.weight_only_mm(lib, x, packed))  # tiles split, never sums
     rows = torch.cat([native.weight_only_mm(lib, x[i : i + 1], packed) for i in range(3)])
     assert torch.equal(one_thread, rows)  # a row's result does not depend on the other rows
-    torch.testing.assert_close(one_thread, x.float() @ (q.float() * scales.repeat_interleave(32, 1)).T,
-                               rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(
+        one_thread, x.float() @ (q.float() * scales.repeat_interleave(32, 1)).T, rtol=1e-3, atol=1e-2
+    )
     code = "from ascq.kernels import native; assert native.load() is not None"
     env = {**os.environ, "ASCQ_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
@@ -267,7 +280,8 @@ def fp8_round_trip(x: torch.Tensor, scale: float) -> torch.Tensor:
 def build_paged_batch(
     backend, seqs, block_size, num_kv_heads, head_dim, cache_dtype, k_scale, v_scale, seed=0
 ):
-    """Write each sequence's full K/V through the backend into randomly placed blocks; return cache + metadata."""
+    """Write each sequence's full K/V through the backend into randomly placed blocks; return cache +
+    metadata."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(seq_len / block_size) for _, seq_len in seqs]
     num_blocks = sum(blocks_per_seq) + 3
@@ -342,10 +356,10 @@ def test_paged_attention_matches_contiguous_sdpa(backend, block_size, dtype, kv,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_short_chunk_rows_equal_each_token_decoded_alone(dtype):
-    """cpu backend (native decode kernel, each row reduced alone): a speculative verification chunk (5 query rows
-    ending at context 150) gets, row by row, bit for bit the attention each token gets when decoded alone, so
-    verification never changes a greedy token. (torch's padded batched path, cuda's, is close but not bitwise: the
-    mixed/short cases above check it.)"""
+    """cpu backend (native decode kernel, each row reduced alone): a speculative verification chunk (5 query
+    rows ending at context 150) gets, row by row, bit for bit the attention each token gets when decoded
+    alone, so verification never changes a greedy token. (torch's padded batched path, cuda's, is close but
+    not bitwise: the mixed/short cases above check it.)"""
     backend = "cpu"
     num_heads, num_kv_heads, head_dim, scale, chunk, context = 9, 3, 64, 0.125, 5, 150
     kernels = get_backend(backend)
@@ -353,19 +367,27 @@ def test_short_chunk_rows_equal_each_token_decoded_alone(dtype):
         kernels, [(chunk, context)], 16, num_kv_heads, head_dim, dtype, 1.0, 1.0
     )
     query = torch.randn(chunk, num_heads, head_dim, generator=torch.Generator().manual_seed(3)).to(dtype)
-    together = kernels.paged_attention(query, k_cache, v_cache, block_tables, torch.tensor([0, chunk]),
-                                       torch.tensor([context]), scale)
+    together = kernels.paged_attention(
+        query, k_cache, v_cache, block_tables, torch.tensor([0, chunk]), torch.tensor([context]), scale
+    )
     for i in range(chunk):
-        alone = kernels.paged_attention(query[i:i + 1], k_cache, v_cache, block_tables, torch.tensor([0, 1]),
-                                        torch.tensor([context - chunk + 1 + i]), scale)
-        assert torch.equal(together[i:i + 1], alone), f"row {i}"
+        alone = kernels.paged_attention(
+            query[i : i + 1],
+            k_cache,
+            v_cache,
+            block_tables,
+            torch.tensor([0, 1]),
+            torch.tensor([context - chunk + 1 + i]),
+            scale,
+        )
+        assert torch.equal(together[i : i + 1], alone), f"row {i}"
 
 
 @pytest.mark.parametrize("native_available", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, FP8], ids=str)
 def test_cpu_decode_attention_native_and_torch_paths(monkeypatch, cache_dtype, native_available):
-    """The cpu backend's decode rows: the native kernel reads the cache in place (torch's path must not run), or
-    torch's gather path where the kernel cannot build; both against contiguous SDPA."""
+    """The cpu backend's decode rows: the native kernel reads the cache in place (torch's path must not run),
+    or torch's gather path where the kernel cannot build; both against contiguous SDPA."""
     from ascq.kernels import native, paged_sdpa
 
     cpu = get_backend("cpu")
@@ -386,16 +408,19 @@ def test_cpu_decode_attention_native_and_torch_paths(monkeypatch, cache_dtype, n
     query = torch.randn(len(DECODE_BATCH), num_heads, head_dim).to(dtype)
     seq_lens = torch.tensor([n for _, n in DECODE_BATCH], dtype=torch.int32)
     query_start_loc = torch.arange(len(DECODE_BATCH) + 1, dtype=torch.int32)
-    out = cpu.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
-                              v_scale)
+    out = cpu.paged_attention(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale
+    )
     assert out.dtype == dtype
     for s in range(len(DECODE_BATCH)):
         if cache_dtype == FP8:
             k, v = fp8_round_trip(keys[s], k_scale), fp8_round_trip(values[s], v_scale)
         else:
             k, v = keys[s].to(cache_dtype).float(), values[s].to(cache_dtype).float()
-        expected = contiguous_attention(query[s:s + 1].float(), k, v, scale)
-        assert rel_error(out[s:s + 1], expected) < (1e-5 if dtype == torch.float32 else 2e-2), f"sequence {s}"
+        expected = contiguous_attention(query[s : s + 1].float(), k, v, scale)
+        assert rel_error(out[s : s + 1], expected) < (1e-5 if dtype == torch.float32 else 2e-2), (
+            f"sequence {s}"
+        )
 
 
 @needs_native
@@ -406,11 +431,29 @@ def test_native_decode_attention_rejects_block_ids_outside_the_cache():
     cache = torch.zeros(4, 16, 2, 32)
     query = torch.randn(1, 4, 32)
     with pytest.raises(ValueError, match="out of range"):
-        native.paged_decode_attention(lib, query, cache, cache, torch.tensor([[1, 4]], dtype=torch.int32),
-                                      torch.tensor([20], dtype=torch.int32), 0.2, 1.0, 1.0)
+        native.paged_decode_attention(
+            lib,
+            query,
+            cache,
+            cache,
+            torch.tensor([[1, 4]], dtype=torch.int32),
+            torch.tensor([20], dtype=torch.int32),
+            0.2,
+            1.0,
+            1.0,
+        )
     with pytest.raises(ValueError, match="out of range"):  # longer than its block table
-        native.paged_decode_attention(lib, query, cache, cache, torch.tensor([[1]], dtype=torch.int32),
-                                      torch.tensor([17], dtype=torch.int32), 0.2, 1.0, 1.0)
+        native.paged_decode_attention(
+            lib,
+            query,
+            cache,
+            cache,
+            torch.tensor([[1]], dtype=torch.int32),
+            torch.tensor([17], dtype=torch.int32),
+            0.2,
+            1.0,
+            1.0,
+        )
 
 
 @pytest.mark.parametrize("backend", ("reference",) + FAST_BACKENDS)
@@ -520,7 +563,7 @@ def test_native_bf16_dequantization_is_torch_dequantization_rounded(bits, zeros)
     packed = native.pack(q, bits, scales, zero, 32, compact=zeros is not torch.float32)
     assert (None if packed.zeros is None else packed.zeros.dtype) == zeros
     grouped = q.float().view(13, 4, 32)
-    expected = ((grouped if zero is None else grouped - zero[..., None]) * packed_scales(packed)[..., None])
+    expected = (grouped if zero is None else grouped - zero[..., None]) * packed_scales(packed)[..., None]
     out = native.dequantize_bf16(None, packed, torch.empty(13, 128, dtype=torch.bfloat16))
     assert torch.equal(out, expected.view(13, 128).bfloat16())
 

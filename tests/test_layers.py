@@ -1,5 +1,5 @@
-"""The package's layering, read from the source with `ast`: every import (module level or inside a function) runs
-from a layer to the same or a lower one, and no two modules import each other through any chain."""
+"""The package's layering, read from the source with `ast`: every import (module level or inside a function)
+runs from a layer to the same or a lower one, and no two modules import each other through any chain."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def module_name(path: Path) -> str:
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every `ascq` module `path` imports, relative imports resolved; `from pkg import name` counts as pkg.name
-    when that is a module, else as pkg."""
+    """Every `ascq` module `path` imports, relative imports resolved; `from pkg import name` counts as
+    pkg.name when that is a module, else as pkg."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
@@ -97,13 +97,15 @@ def test_no_import_runs_upwards():
 
 
 def test_core_imports_nothing_else_of_ascq():
-    outside = sorted(f"{a} -> {b}" for a, deps in GRAPH.items() if layer_of(a) == 0
-                     for b in deps if layer_of(b) != 0)
+    outside = sorted(
+        f"{a} -> {b}" for a, deps in GRAPH.items() if layer_of(a) == 0 for b in deps if layer_of(b) != 0
+    )
     assert not outside, "\n".join(outside)
 
 
 def _cycle() -> list[str] | None:
-    """One import cycle between modules (a package's __init__ importing its own submodules excluded), or None."""
+    """One import cycle between modules (a package's __init__ importing its own submodules excluded), or
+    None."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -114,7 +116,7 @@ def _cycle() -> list[str] | None:
             if module.startswith(dep + "."):
                 continue  # a module reaching its own package's __init__ is not a cycle of logic
             if state.get(dep) == 1:
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep in GRAPH and not state.get(dep):
                 found = visit(dep)
                 if found:

@@ -1,5 +1,5 @@
-"""MoE calibration coverage (tiny calibration sets, dense fallback, finite scales), GPTQ's RTN fallback, and the
-outlier-stress transform (function-preserving, plants outlier channels)."""
+"""MoE calibration coverage (tiny calibration sets, dense fallback, finite scales), GPTQ's RTN fallback, and
+the outlier-stress transform (function-preserving, plants outlier channels)."""
 
 from __future__ import annotations
 
@@ -35,19 +35,28 @@ def _tensors(entry) -> dict[str, torch.Tensor]:
 def test_expert_coverage_report_and_dense_inputs():
     coverage = ExpertCoverage(8, {"mlp.experts.0": 30, "mlp.experts.1": 0, "mlp.experts.2": 7})
     assert [coverage.needs_dense(f"mlp.experts.{e}") for e in range(3)] == [False, True, True]
-    assert coverage.report() == {"mlp": {"min_tokens": 8, "tokens_per_expert": [30, 0, 7], "dense_fallback": [1, 2]}}
-    assert ExpertCoverage(0, {"mlp.experts.0": 0}).needs_dense("mlp.experts.0"), "no tokens is never calibrated on"
+    assert coverage.report() == {
+        "mlp": {"min_tokens": 8, "tokens_per_expert": [30, 0, 7], "dense_fallback": [1, 2]}
+    }
+    assert ExpertCoverage(0, {"mlp.experts.0": 0}).needs_dense("mlp.experts.0"), (
+        "no tokens is never calibrated on"
+    )
     torch.manual_seed(0)
     expert, x = DeepseekMLP(32, 16), torch.randn(2, 5, 32)
     inputs = dense_mlp_inputs(expert, [x])
     flat = x.reshape(10, 32)
-    torch.testing.assert_close(inputs["down_proj"][0], torch.nn.functional.silu(flat @ expert.gate_proj.weight.t()) * (flat @ expert.up_proj.weight.t()))
+    torch.testing.assert_close(
+        inputs["down_proj"][0],
+        torch.nn.functional.silu(flat @ expert.gate_proj.weight.t()) * (flat @ expert.up_proj.weight.t()),
+    )
     torch.testing.assert_close(expert.down_proj(inputs["down_proj"][0]), expert(flat))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["awq-int4", "w4a16-gptq"])
-def test_four_sample_moe_calibration_is_finite(converted_entry, tiny_deepseek_moe_dir, eval_text_path, tmp_path_factory, recipe):
+def test_four_sample_moe_calibration_is_finite(
+    converted_entry, tiny_deepseek_moe_dir, eval_text_path, tmp_path_factory, recipe
+):
     eval_text = tmp_path_factory.getbasetemp() / "eval-20k.txt"
     eval_text.write_text(eval_text_path.read_text()[:20000])
     entry = converted_entry(tiny_deepseek_moe_dir, (recipe,), num_samples=4, seq_len=16, eval_text=eval_text)
@@ -81,7 +90,9 @@ def _layer_context(model_dir, index: int, modifier, inputs: list[torch.Tensor]) 
     layer = arch.build_layer(index, reader.get_prefix(prefix, torch.float32))
     targets = {}
     for name, module in layer.named_modules():
-        if isinstance(module, nn.Linear) and (target := resolve_target(prefix + name, module, [modifier.quant_scheme()])):
+        if isinstance(module, nn.Linear) and (
+            target := resolve_target(prefix + name, module, [modifier.quant_scheme()])
+        ):
             targets[name] = target
     return LayerContext(index, prefix, arch, layer, inputs, targets, torch.bfloat16)
 
@@ -105,9 +116,20 @@ def test_modifier_arguments_are_validated():
     with pytest.raises(RecipeError, match="needs a scheme"):
         GPTQModifier.from_args({"block_size": 64})
     with pytest.raises(RecipeError, match="weighted_mse weights the mse observer's error"):
-        GPTQModifier.from_args({"scheme": "W4A16_ASYM", "weighted_mse": True})  # the preset's observer is minmax
-    mse_group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
-                                                    "strategy": "group", "group_size": 32, "observer": "mse"}}
+        GPTQModifier.from_args(
+            {"scheme": "W4A16_ASYM", "weighted_mse": True}
+        )  # the preset's observer is minmax
+    mse_group = {
+        "targets": ["Linear"],
+        "weights": {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": False,
+            "strategy": "group",
+            "group_size": 32,
+            "observer": "mse",
+        },
+    }
     assert GPTQModifier.from_args({"config_groups": {"g": mse_group}, "weighted_mse": True}).weighted_mse
     from ascq.quantize.awq_modifier import AWQModifier
 
@@ -145,7 +167,9 @@ def test_outlier_stress_preserves_logits_and_plants_outliers(request, fixture, t
     logits_before = getattr(logits_before, "logits", logits_before)
     logits_after = getattr(logits_after, "logits", logits_after)
     logit_range = (logits_before.max() - logits_before.min()).item()
-    assert (logits_after - logits_before).abs().max().item() <= 2e-2 * logit_range  # bf16 rounding of W / k only
+    assert (
+        logits_after - logits_before
+    ).abs().max().item() <= 2e-2 * logit_range  # bf16 rounding of W / k only
     assert (logits_after.argmax(-1) == logits_before.argmax(-1)).float().mean().item() >= 0.98
     channel_mean = captured["x"].abs().reshape(-1, captured["x"].shape[-1]).mean(0)
     others = torch.ones_like(channel_mean, dtype=torch.bool)

@@ -1,6 +1,6 @@
-"""The native kernels' ABI lives in ascq_kernels.h alone: the .c files define what it declares, the library exports
-its ASCQ_API functions, native.py's ctypes signatures and fused decode's structs are read from it; and the build is
-chosen by the CPU's features, every build giving the same bits."""
+"""The native kernels' ABI lives in ascq_kernels.h alone: the .c files define what it declares, the library
+exports its ASCQ_API functions, native.py's ctypes signatures and fused decode's structs are read from it; and
+the build is chosen by the CPU's features, every build giving the same bits."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def test_every_defined_function_is_declared_once_in_the_header():
     for source in native.SOURCES:
         text = source.read_text()
         assert '#include "ascq_kernels.h"' in text, source.name
-        assert not re.search(r"^(?:int|void) ascq_\w+\([^{]*?\);", text, re.M | re.S), f"{source.name} redeclares"
+        assert not re.search(r"^(?:int|void) ascq_\w+\([^{]*?\);", text, re.M | re.S), (
+            f"{source.name} redeclares"
+        )
         assert not re.search(r"\}\s*ascq_\w+;", text), f"{source.name} defines a header struct again"
 
 
@@ -43,7 +45,9 @@ def test_api_signatures_parse_from_the_header():
     assert api["ascq_cpu_features"] == (ctypes.c_int, [])
     assert api["ascq_group_quant_errors"][1][7:10] == [ctypes.c_float] * 3
     called = set(re.findall(r"lib\.(ascq_\w+)", Path(native.__file__).read_text()))
-    fused = set(re.findall(r"\.(ascq_\w+)\(", (KERNELS.parent / "runtime" / "worker" / "fused_decode.py").read_text()))
+    fused = set(
+        re.findall(r"\.(ascq_\w+)\(", (KERNELS.parent / "runtime" / "worker" / "fused_decode.py").read_text())
+    )
     assert called | fused <= set(api)
 
 
@@ -61,13 +65,16 @@ def test_fused_decode_structs_come_from_the_header():
     assert dict(structs["ascq_fused_layer"]._fields_)["qkv"] is linear
 
 
-@pytest.mark.parametrize("features, expected", [
-    ({"avx2", "fma", "f16c"}, "avx2"),
-    (set(native.VARIANTS["avx512"]), "avx512"),
-    (set(native.VARIANTS["avx512"]) - {"avx512bf16"}, "avx2"),  # Zen 3 / Skylake-SP: AVX-512 without BF16
-    ({"avx2", "fma"}, None),  # no F16C
-    (set(), None),  # ARM, or x86 without AVX2
-])
+@pytest.mark.parametrize(
+    "features, expected",
+    [
+        ({"avx2", "fma", "f16c"}, "avx2"),
+        (set(native.VARIANTS["avx512"]), "avx512"),
+        (set(native.VARIANTS["avx512"]) - {"avx512bf16"}, "avx2"),  # Zen 3 / Skylake-SP: AVX-512 without BF16
+        ({"avx2", "fma"}, None),  # no F16C
+        (set(), None),  # ARM, or x86 without AVX2
+    ],
+)
 def test_the_build_is_chosen_from_the_cpu_features(features, expected):
     assert native.choose_variant(features) == expected
 
@@ -90,15 +97,22 @@ def test_every_build_this_cpu_runs_gives_the_same_bits():
     libs = [native._build(compiler, v) for v in builds]
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (40, 256), dtype=torch.int8, generator=gen)
-    packed = native.pack(q, 4, torch.rand(40, 8, generator=gen), torch.randint(-8, 8, (40, 8), generator=gen).float(), 32)
+    packed = native.pack(
+        q, 4, torch.rand(40, 8, generator=gen), torch.randint(-8, 8, (40, 8), generator=gen).float(), 32
+    )
     x = torch.randn(5, 256, generator=gen).bfloat16()
     weight = torch.randn(48, 256, generator=gen).bfloat16()
     cache = torch.randn(6, 16, 2, 64, generator=gen).bfloat16()
     query = torch.randn(3, 4, 64, generator=gen)
     tables = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
     lens = torch.tensor([20, 32, 7], dtype=torch.int32)
-    results = [(native.weight_only_mm(lib, x, packed), native.bf16_mm(lib, x.float(), weight),
-                native.paged_decode_attention(lib, query, cache, cache, tables, lens, 0.125, 1.0, 1.0))
-               for lib in libs]
+    results = [
+        (
+            native.weight_only_mm(lib, x, packed),
+            native.bf16_mm(lib, x.float(), weight),
+            native.paged_decode_attention(lib, query, cache, cache, tables, lens, 0.125, 1.0, 1.0),
+        )
+        for lib in libs
+    ]
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))

@@ -27,7 +27,9 @@ ATTENTION_OPS = {"_npu_reshape_and_cache", "npu_fused_infer_attention_score"}
 MOE_OPS = {"npu_moe_gating_top_k_softmax", "npu_grouped_matmul"}
 
 
-NEAR_TIE = 0.02  # nats: bf16 NPU math vs the fp32 reference flipped one greedy choice 0.0024 apart on a Zen 2 host
+NEAR_TIE = (
+    0.02  # nats: bf16 NPU math vs the fp32 reference flipped one greedy choice 0.0024 apart on a Zen 2 host
+)
 
 
 def greedy_tokens(model_dir, device: str) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
@@ -38,17 +40,21 @@ def greedy_tokens(model_dir, device: str) -> tuple[list[list[int]], list[list[di
     return [o.token_ids for o in outputs], [o.logprobs for o in outputs]
 
 
-def assert_same_up_to_near_ties(got: list[list[int]], expected: list[list[int]],
-                                logprobs: list[list[dict[int, float]]]) -> None:
-    """Tokens equal, except that a sequence may leave the reference where the reference's own top two were within
-    NEAR_TIE and `got` took the second (every later token then follows another prefix, so comparison stops there)."""
+def assert_same_up_to_near_ties(
+    got: list[list[int]], expected: list[list[int]], logprobs: list[list[dict[int, float]]]
+) -> None:
+    """Tokens equal, except that a sequence may leave the reference where the reference's own top two were
+    within NEAR_TIE and `got` took the second (every later token then follows another prefix, so comparison
+    stops there)."""
     for tokens, reference, steps in zip(got, expected, logprobs, strict=True):
         assert len(tokens) == len(reference)
         for position, (token, wanted) in enumerate(zip(tokens, reference, strict=True)):
             if token != wanted:
                 top = steps[position]
                 gap = top[wanted] - top.get(token, float("-inf"))
-                assert gap < NEAR_TIE, f"token {position}: {token} instead of {wanted} (reference gap {gap:.4f})"
+                assert gap < NEAR_TIE, (
+                    f"token {position}: {token} instead of {wanted} (reference gap {gap:.4f})"
+                )
                 break
 
 
@@ -57,6 +63,7 @@ def count_op_calls(monkeypatch) -> Counter:
     for name in npu_emulation.__all__:
         op = getattr(npu_emulation, name)
         if callable(op) and (name.startswith("npu_") or name.startswith("_npu_")):
+
             def counted(*args, _op=op, _name=name, **kwargs):
                 calls[_name] += 1
                 return _op(*args, **kwargs)
@@ -67,7 +74,9 @@ def count_op_calls(monkeypatch) -> Counter:
 
 @pytest.mark.parametrize("scheme", RECIPES)
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_deepseek_moe_dir"])
-def test_npu_engine_greedy_tokens_equal_reference(npu_backend, monkeypatch, request, npu_converted, model, scheme):
+def test_npu_engine_greedy_tokens_equal_reference(
+    npu_backend, monkeypatch, request, npu_converted, model, scheme
+):
     entry = npu_converted(request.getfixturevalue(model), RECIPES[scheme])
     expected, logprobs = greedy_tokens(entry, "reference")
     calls = count_op_calls(monkeypatch)

@@ -1,7 +1,8 @@
-"""`import ascq` and every CLI command except `--device npu` work with torch_npu absent and never try to import it
-(installed without the CANN toolkit it breaks `import torch`). In a fresh interpreter a meta-path finder records
-every lookup of `torch_npu` made from ascq's own code (transformers probes for it too; that is not ascq's doing)
-and answers "absent"; the positive control shows `--device npu` does look it up and fails with a clear error."""
+"""`import ascq` and every CLI command except `--device npu` work with torch_npu absent and never try to
+import it (installed without the CANN toolkit it breaks `import torch`). In a fresh interpreter a meta-path
+finder records every lookup of `torch_npu` made from ascq's own code (transformers probes for it too; that is
+not ascq's doing) and answers "absent"; the positive control shows `--device npu` does look it up and fails
+with a clear error."""
 
 from __future__ import annotations
 
@@ -42,14 +43,22 @@ RUNNER = textwrap.dedent("""
         except SystemExit as exc:
             code = exc.code or 0
         ours = [f for f in lookups[before:] if "/ascq/" in f]
-        results.append({"argv": argv, "code": code, "ascq_lookups": ours, "in_modules": "torch_npu" in sys.modules})
+        in_modules = "torch_npu" in sys.modules
+        results.append({"argv": argv, "code": code, "ascq_lookups": ours, "in_modules": in_modules})
     print("RESULTS " + json.dumps(results))
 """)
 
 
 def tiny_llama(path: Path) -> Path:
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     vocab = {"<unk>": 0, **{chr(97 + i): i + 1 for i in range(26)}}
@@ -61,8 +70,13 @@ def tiny_llama(path: Path) -> Path:
 
 def run_cli(commands: list[list[str]], zoo: Path) -> list[dict]:
     env = {**os.environ, "ASCQ_ZOO": str(zoo), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(commands)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, json.dumps(commands)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-2000:]
     return json.loads(lines[-1].removeprefix("RESULTS "))
@@ -73,7 +87,11 @@ def test_only_device_npu_looks_for_torch_npu(tmp_path):
     model = str(tiny_llama(tmp_path / "tiny"))
     generate = ["generate", model, "--prompt", "ab", "--max-tokens", "2"]
     commands = [
-        ["--help"], ["convert", "--help"], ["serve", "--help"], ["recipes"], ["zoo", "list"],
+        ["--help"],
+        ["convert", "--help"],
+        ["serve", "--help"],
+        ["recipes"],
+        ["zoo", "list"],
         [*generate, "--device", "cpu"],
         [*generate, "--device", "npu", "--block-size", "128"],
     ]

@@ -1,8 +1,8 @@
 """The NPU backend's kernels against the reference backend, run on the CPU torch_npu EMULATOR.
 
 What passes here: the backend calls the documented torch_npu ops with argument names, dtypes, shapes, layouts
-(K, N weights, FRACTAL_NZ tags, int4 packing, TND page attention) the docs accept, and the emulated math equals
-the reference backend's. Not shown: that Ascend hardware produces the same numbers.
+(K, N weights, FRACTAL_NZ tags, int4 packing, TND page attention) the docs accept, and the emulated math
+equals the reference backend's. Not shown: that Ascend hardware produces the same numbers.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ def seeded():
     torch.manual_seed(0)
 
 
-def quantized_linear(scheme: str, out_features: int, in_features: int, group_size=None, asym=False, bias=False,
-                     seed=0) -> QuantLinearWeights:
+def quantized_linear(
+    scheme: str, out_features: int, in_features: int, group_size=None, asym=False, bias=False, seed=0
+) -> QuantLinearWeights:
     g = torch.Generator().manual_seed(seed)
     bits = 4 if scheme in ("w4a16", "w4a8_dynamic") else 8
     low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
@@ -33,7 +34,11 @@ def quantized_linear(scheme: str, out_features: int, in_features: int, group_siz
     zero = torch.randint(-3, 4, (out_features, groups), generator=g, dtype=torch.int8) if asym else None
     static = scheme == "w8a8_static"
     return QuantLinearWeights(
-        scheme, weight, scale, zero, group_size,
+        scheme,
+        weight,
+        scale,
+        zero,
+        group_size,
         input_scale=torch.tensor([0.03]) if static else None,
         input_zero_point=torch.tensor([5], dtype=torch.int8) if static and asym else None,
         bias=(torch.randn(out_features, generator=g) * 0.1).to(DTYPE) if bias else None,
@@ -109,14 +114,19 @@ def test_emulator_enforces_documented_contracts(npu_backend):
         torch_npu.npu_weight_quant_batchmatmul(x, w, scale.float())
     with pytest.raises(EmulatedContractError, match="x1 dtype"):
         torch_npu.npu_quant_matmul(x, w, torch.ones(32), output_dtype=DTYPE)
-    with pytest.raises(EmulatedContractError, match="combination"):  # fp16 output without pertoken needs int32 bias
-        torch_npu.npu_quant_matmul(w.t()[:4].contiguous(), w, torch.ones(32), bias=torch.ones(32), output_dtype=torch.float16)
+    with pytest.raises(
+        EmulatedContractError, match="combination"
+    ):  # fp16 output without pertoken needs int32 bias
+        torch_npu.npu_quant_matmul(
+            w.t()[:4].contiguous(), w, torch.ones(32), bias=torch.ones(32), output_dtype=torch.float16
+        )
     with pytest.raises(EmulatedContractError, match="int4 range"):
         torch_npu.npu_convert_weight_to_int4pack(torch.full((8, 8), 9, dtype=torch.int32))
 
 
 def paged_case(block_size: int, seed: int = 0):
-    """A mixed batch: a fresh prefill, a prefill chunk after a cached prefix, two decodes; GQA 8 heads / 2 kv."""
+    """A mixed batch: a fresh prefill, a prefill chunk after a cached prefix, two decodes; GQA 8 heads / 2
+    kv."""
     g = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, head_dim = 8, 2, 32
     q_lens, seq_lens = [5, 3, 1, 1], [5, 140, 9, 130]
@@ -129,18 +139,30 @@ def paged_case(block_size: int, seed: int = 0):
     used = 0
     for s, n in enumerate(seq_lens):
         need = -(-n // block_size)
-        tables[s, :need] = perm[used:used + need].int()
+        tables[s, :need] = perm[used : used + need].int()
         used += need
     total = sum(seq_lens)
-    slots = torch.cat([
-        tables[s].long()[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
-        for s, n in enumerate(seq_lens)
-    ])
+    slots = torch.cat(
+        [
+            tables[s].long()[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+            for s, n in enumerate(seq_lens)
+        ]
+    )
     keys = torch.randn(total, num_kv_heads, head_dim, generator=g).to(DTYPE)
     values = torch.randn(total, num_kv_heads, head_dim, generator=g).to(DTYPE)
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(DTYPE)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return k_cache, v_cache, keys, values, slots, query, tables, starts, torch.tensor(seq_lens, dtype=torch.int32)
+    return (
+        k_cache,
+        v_cache,
+        keys,
+        values,
+        slots,
+        query,
+        tables,
+        starts,
+        torch.tensor(seq_lens, dtype=torch.int32),
+    )
 
 
 def test_paged_attention_matches_reference_mixed_batch(npu_backend):
@@ -149,7 +171,7 @@ def test_paged_attention_matches_reference_mixed_batch(npu_backend):
     ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     reference.write_kv_cache(keys, values, ref_k, ref_v, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
-    scale = 32 ** -0.5
+    scale = 32**-0.5
     got = npu_backend.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, scale)
     expected = reference.paged_attention(query, ref_k, ref_v, tables, starts, seq_lens, scale)
     torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
@@ -163,9 +185,19 @@ def test_paged_attention_needs_block_size_128(npu_backend):
 
     with pytest.raises(EmulatedContractError, match="multiple of 128"):
         torch_npu.npu_fused_infer_attention_score(
-            query, k_cache.flatten(2), v_cache.flatten(2), atten_mask=npu_backend.attention.causal_mask(),
-            block_table=tables, actual_seq_lengths=starts[1:].tolist(), actual_seq_lengths_kv=seq_lens.tolist(),
-            num_heads=8, num_key_value_heads=2, input_layout="TND", block_size=16, sparse_mode=3)
+            query,
+            k_cache.flatten(2),
+            v_cache.flatten(2),
+            atten_mask=npu_backend.attention.causal_mask(),
+            block_table=tables,
+            actual_seq_lengths=starts[1:].tolist(),
+            actual_seq_lengths_kv=seq_lens.tolist(),
+            num_heads=8,
+            num_key_value_heads=2,
+            input_layout="TND",
+            block_size=16,
+            sparse_mode=3,
+        )
 
 
 MOE_CASES = {
@@ -181,7 +213,9 @@ def expert_weights(case: dict, num_experts: int, hidden: int, inter: int):
     def make(out_features, in_features, seed):
         if case["scheme"] == "dense":
             g = torch.Generator().manual_seed(seed)
-            return QuantLinearWeights("dense", (torch.randn(out_features, in_features, generator=g) * 0.05).to(DTYPE))
+            return QuantLinearWeights(
+                "dense", (torch.randn(out_features, in_features, generator=g) * 0.05).to(DTYPE)
+            )
         return quantized_linear(out_features=out_features, in_features=in_features, seed=seed, **case)
 
     gate = [make(inter, hidden, 3 * e) for e in range(num_experts)]
@@ -202,7 +236,8 @@ def test_moe_matches_reference(npu_backend, case):
     torch.testing.assert_close(weights, ref_weights)
     got = npu_backend.moe_experts(x, weights, ids, npu_backend.prepare_experts(gate, up, down, DTYPE))
     expected = reference.moe_experts(x, ref_weights, ref_ids, reference.prepare_experts(gate, up, down))
-    # bf16 outputs. The static path quantizes the bf16 down-proj input with a fixed scale, so a 1-ulp difference in
-    # gate/up (int32-exact accumulation here, fp32 dequantized matmul in the reference) can move it one level.
+    # bf16 outputs. The static path quantizes the bf16 down-proj input with a fixed scale, so a 1-ulp
+    # difference in gate/up (int32-exact accumulation here, fp32 dequantized matmul in the reference) can move
+    # it one level.
     tolerance = (0.05 if case == "w8a8_static" else 0.02) * expected.float().abs().max().item()
     torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=tolerance)

@@ -1,7 +1,7 @@
 """`ascq convert --format msmodelslim`: the folder vllm-ascend's `--quantization ascend` loader expects.
 
-The expectations below are written from vllm-ascend's loader (quant_config / modelslim_config: every layer prefix
-is looked up as `<prefix>.weight` in quant_model_description.json, "FLOAT" = unquantized, fused shards
+The expectations below are written from vllm-ascend's loader (quant_config / modelslim_config: every layer
+prefix is looked up as `<prefix>.weight` in quant_model_description.json, "FLOAT" = unquantized, fused shards
 (q/k/v, gate/up, experts.0.*) must share a label; AscendW8A8LinearMethod / AscendW8A8DynamicLinearMethod
 parameter names, shapes and dtypes) and checked against the compressed-tensors export of the same recipe.
 """
@@ -24,7 +24,8 @@ LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj
 
 
 def expected_tensors(label: str, out_features: int, in_features: int) -> dict[str, tuple[tuple, tuple]]:
-    """local name -> (allowed dtypes, shape) for one linear, as vllm-ascend creates its parameters (bf16 model)."""
+    """local name -> (allowed dtypes, shape) for one linear, as vllm-ascend creates its parameters (bf16
+    model)."""
     floats = (torch.bfloat16, torch.float16, torch.float32)
     spec = {
         "weight": ((torch.int8,), (out_features, in_features)),
@@ -75,7 +76,10 @@ def check_loader_expectations(entry, base_dir, label: str) -> list[str]:
             assert tensor.dtype in dtypes and tuple(tensor.shape) == shape, f"{prefix}.{local}"
             assert labels[f"{prefix}.{local}"] == label
         assert not tensors[f"{prefix}.weight_offset"].any()
-    for name, tensor in tensors.items():  # everything else: a source tensor (smoothing may fold into norms), FLOAT
+    for (
+        name,
+        tensor,
+    ) in tensors.items():  # everything else: a source tensor (smoothing may fold into norms), FLOAT
         if name.rsplit(".", 1)[0] not in linears:
             assert labels[name] == "FLOAT" and tensor.dtype == source[name].dtype, name
             assert tensor.shape == source[name].shape, name
@@ -116,18 +120,32 @@ def test_w8a8_static_export_identities(tiny_llama_dir, npu_converted):
     for prefix in linears:
         t = {k.rsplit(".", 1)[1]: v for k, v in ms.items() if k.rsplit(".", 1)[0] == prefix}
         weight_sum = t["weight"].double().sum(dim=1)
-        torch.testing.assert_close(t["deq_scale"], t["input_scale"].float() * t["weight_scale"].float().reshape(-1))
+        torch.testing.assert_close(
+            t["deq_scale"], t["input_scale"].float() * t["weight_scale"].float().reshape(-1)
+        )
         expected_bias = (-t["input_offset"].double() * weight_sum).round().to(torch.int32)  # no bias in Llama
         assert torch.equal(t["quant_bias"], expected_bias)
         assert torch.equal(t["input_scale"].float(), ct[f"{prefix}.input_scale"].float().reshape(1))
-        if prefix.endswith(("q_proj", "gate_proj")):  # vllm-ascend's apply in plain torch == the reference linear
+        if prefix.endswith(
+            ("q_proj", "gate_proj")
+        ):  # vllm-ascend's apply in plain torch == the reference linear
             rows = x[:, : t["weight"].shape[1]]
-            x_int8 = (rows.float() / t["input_scale"].float() + t["input_offset"].float()).round().clamp(-128, 127)
-            y = (x_int8.double() @ t["weight"].double().T + t["quant_bias"].double()) * t["deq_scale"].double()
-            w = QuantLinearWeights("w8a8_static", ct[f"{prefix}.weight"], ct[f"{prefix}.weight_scale"],
-                                   input_scale=ct[f"{prefix}.input_scale"])
+            x_int8 = (
+                (rows.float() / t["input_scale"].float() + t["input_offset"].float()).round().clamp(-128, 127)
+            )
+            y = (x_int8.double() @ t["weight"].double().T + t["quant_bias"].double()) * t[
+                "deq_scale"
+            ].double()
+            w = QuantLinearWeights(
+                "w8a8_static",
+                ct[f"{prefix}.weight"],
+                ct[f"{prefix}.weight_scale"],
+                input_scale=ct[f"{prefix}.input_scale"],
+            )
             expected = reference.linear(rows, reference.prepare_linear(w)).float()
-            torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+            torch.testing.assert_close(
+                y.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item()
+            )
 
 
 def test_moe_export_keeps_per_expert_names(tiny_deepseek_moe_dir, npu_converted):
@@ -152,23 +170,40 @@ def test_fp16_models_get_int64_deq_scale():
     assert deq_scale_tensor(deq, torch.bfloat16).dtype == torch.float32
 
 
-@pytest.mark.parametrize("recipes,fmt", [
-    (["w4a16-rtn"], "msmodelslim"),  # no msModelSlim label for weight-only int4
-    (["w8a8", "fp8-kv"], "msmodelslim"),  # no FP8 KV cache in msModelSlim
-    (["w8a8", "kv-int8-c8"], "compressed-tensors"),  # C8 scales only exist in msModelSlim
-])
+@pytest.mark.parametrize(
+    "recipes,fmt",
+    [
+        (["w4a16-rtn"], "msmodelslim"),  # no msModelSlim label for weight-only int4
+        (["w8a8", "fp8-kv"], "msmodelslim"),  # no FP8 KV cache in msModelSlim
+        (["w8a8", "kv-int8-c8"], "compressed-tensors"),  # C8 scales only exist in msModelSlim
+    ],
+)
 def test_unsupported_combinations_give_one_line_error(tiny_llama_dir, tmp_path, capsys, recipes, fmt):
     out = tmp_path / "entry"
     with pytest.raises(SystemExit) as exc:
-        main(["convert", str(tiny_llama_dir), *[a for r in recipes for a in ("--recipe", r)], "--format", fmt,
-              "--out", str(out), "--num-samples", "2", "--seq-len", "32"])
+        main(
+            [
+                "convert",
+                str(tiny_llama_dir),
+                *[a for r in recipes for a in ("--recipe", r)],
+                "--format",
+                fmt,
+                "--out",
+                str(out),
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "32",
+            ]
+        )
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 1 and err.startswith("error: ") and "\n" not in err and "msmodelslim" in err
     assert not out.exists()
 
 
 def test_kv_int8_c8_scales_are_per_channel_key_value_maxima(tiny_llama_dir, npu_converted):
-    """Layer 0 sees the embeddings unquantized, so its scales can be recomputed with transformers' own Llama."""
+    """Layer 0 sees the embeddings unquantized, so its scales can be recomputed with transformers' own
+    Llama."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -180,7 +215,12 @@ def test_kv_int8_c8_scales_are_per_channel_key_value_maxima(tiny_llama_dir, npu_
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     channels = config["num_key_value_heads"] * config["hidden_size"] // config["num_attention_heads"]
     for layer in range(config["num_hidden_layers"]):
-        for name in ("k_proj.kv_cache_scale", "k_proj.kv_cache_offset", "v_proj.kv_cache_scale", "v_proj.kv_cache_offset"):
+        for name in (
+            "k_proj.kv_cache_scale",
+            "k_proj.kv_cache_offset",
+            "v_proj.kv_cache_scale",
+            "v_proj.kv_cache_offset",
+        ):
             key = f"model.layers.{layer}.self_attn.{name}"
             assert description[key] == "C8" and tensors[key].shape == (channels,), key
             assert (tensors[key] > 0).all() if "scale" in name else not tensors[key].any()

@@ -1,4 +1,5 @@
-"""--performance-mode presets set only the scheduler knobs the user left unset: an explicit flag always wins."""
+"""--performance-mode presets set only the scheduler knobs the user left unset: an explicit flag always
+wins."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ def test_unset_knobs_take_the_preset(tiny_llama_dir):
 def test_explicit_values_win_even_when_equal_to_the_defaults(tiny_llama_dir, mode):
     explicit = dict(SCHEDULER_DEFAULTS)  # the values a user types that happen to equal the defaults
     args = EngineArgs(tiny_llama_dir, performance_mode=mode, **explicit)
-    assert (args.max_num_seqs, args.max_num_batched_tokens) == (explicit["max_num_seqs"],
-                                                                 explicit["max_num_batched_tokens"])
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (
+        explicit["max_num_seqs"],
+        explicit["max_num_batched_tokens"],
+    )
 
 
 def test_no_mode_gives_the_defaults(tiny_llama_dir):

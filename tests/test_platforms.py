@@ -1,5 +1,5 @@
-"""Device knowledge lives in ascq/platforms: no other module (the kernels' backend files aside) compares a value
-with a device name or imports torch_npu; and each platform answers as the code before the split did."""
+"""Device knowledge lives in ascq/platforms: no other module (the kernels' backend files aside) compares a
+value with a device name or imports torch_npu; and each platform answers as the code before the split did."""
 
 from __future__ import annotations
 
@@ -15,8 +15,14 @@ from ascq.platforms import DEVICES, check_device, device_kind, platform_for
 PACKAGE = Path(__file__).resolve().parents[1] / "ascq"
 DEVICE_NAMES = {"cpu", "cuda", "npu", "reference"}
 # where device-specific code belongs: the platforms and the kernel backends themselves
-ALLOWED = ("platforms/", "kernels/npu/", "kernels/cuda.py", "kernels/cpu.py", "kernels/cpu_attention.py",
-           "kernels/reference.py")
+ALLOWED = (
+    "platforms/",
+    "kernels/npu/",
+    "kernels/cuda.py",
+    "kernels/cpu.py",
+    "kernels/cpu_attention.py",
+    "kernels/reference.py",
+)
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -32,7 +38,11 @@ def device_tests(path: Path) -> list[str]:
             names = set().union(*(_names(o) for o in operands))
             if names & DEVICE_NAMES:
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "startswith"
+        ):
             if any(_names(a) & DEVICE_NAMES for a in node.args):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -43,31 +53,53 @@ def device_tests(path: Path) -> list[str]:
 
 
 def test_device_names_are_tested_only_in_platforms_and_kernel_backends():
-    offenders = [line for p in sorted(PACKAGE.rglob("*.py"))
-                 if not p.relative_to(PACKAGE).as_posix().startswith(ALLOWED) for line in device_tests(p)]
+    offenders = [
+        line
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if not p.relative_to(PACKAGE).as_posix().startswith(ALLOWED)
+        for line in device_tests(p)
+    ]
     assert offenders == []
 
 
 def test_the_scan_finds_a_device_test(tmp_path):
     probe = PACKAGE / "_probe_not_a_module.py"
     try:
-        probe.write_text('def f(d):\n    return d.type == "cuda" or str(d).startswith("npu")\nimport torch_npu\n')
+        probe.write_text(
+            'def f(d):\n    return d.type == "cuda" or str(d).startswith("npu")\nimport torch_npu\n'
+        )
         assert len(device_tests(probe)) == 3
     finally:
         probe.unlink()
 
 
-@pytest.mark.parametrize("device,kind", [("cpu", "cpu"), ("cuda:1", "cuda"), (torch.device("cpu"), "cpu"),
-                                         ("npu:0", "npu"), ("reference", "reference")])
+@pytest.mark.parametrize(
+    "device,kind",
+    [
+        ("cpu", "cpu"),
+        ("cuda:1", "cuda"),
+        (torch.device("cpu"), "cpu"),
+        ("npu:0", "npu"),
+        ("reference", "reference"),
+    ],
+)
 def test_device_kind(device, kind):
     assert device_kind(device) == kind and platform_for(device).name == kind
 
 
 def test_platform_answers():
     assert {d: platform_for(d).dist_backend for d in DEVICES} == {
-        "cpu": "gloo", "reference": "gloo", "cuda": "nccl", "npu": "hccl"}
+        "cpu": "gloo",
+        "reference": "gloo",
+        "cuda": "nccl",
+        "npu": "hccl",
+    }
     assert {d: platform_for(d).graph_class for d in DEVICES} == {
-        "cpu": None, "reference": None, "cuda": "CUDAGraph", "npu": "NPUGraph"}
+        "cpu": None,
+        "reference": None,
+        "cuda": "CUDAGraph",
+        "npu": "NPUGraph",
+    }
     assert platform_for("reference").torch_device("reference") == torch.device("cpu")
     cpu, ref = platform_for("cpu"), platform_for("reference")
     assert cpu.default_dtype(torch.bfloat16, weight_only_quantized=True) == torch.bfloat16

@@ -44,17 +44,25 @@ def test_qparams_match_compressed_tensors(num_bits, symmetric):
     assert torch.equal(zp.to(torch.int32), ct_zp.to(torch.int32))
 
 
-@pytest.mark.parametrize("args", WEIGHT_ARGS, ids=lambda a: f"int{a.num_bits}-{a.strategy}-{'sym' if a.symmetric else 'asym'}")
+@pytest.mark.parametrize(
+    "args", WEIGHT_ARGS, ids=lambda a: f"int{a.num_bits}-{a.strategy}-{'sym' if a.symmetric else 'asym'}"
+)
 def test_weight_quantize_dequantize_match_compressed_tensors(args):
     w = _weight()
     q, scale, zp = observer.quantize_weight(w, args)
     ct_q = quantize(w, scale, zp, args, dtype=torch.int8)
     assert torch.equal(q, ct_q)
-    torch.testing.assert_close(qmath.dequantize_weight(q, scale, zp, args), dequantize(ct_q, scale, zp, args), rtol=0, atol=0)
-    torch.testing.assert_close(observer.fake_quantize_weight(w, args), fake_quantize(w, scale, zp, args), rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        qmath.dequantize_weight(q, scale, zp, args), dequantize(ct_q, scale, zp, args), rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        observer.fake_quantize_weight(w, args), fake_quantize(w, scale, zp, args), rtol=0, atol=1e-7
+    )
 
 
-@pytest.mark.parametrize("args", WEIGHT_ARGS, ids=lambda a: f"int{a.num_bits}-{a.strategy}-{'sym' if a.symmetric else 'asym'}")
+@pytest.mark.parametrize(
+    "args", WEIGHT_ARGS, ids=lambda a: f"int{a.num_bits}-{a.strategy}-{'sym' if a.symmetric else 'asym'}"
+)
 def test_weight_quantization_plain_math(args):
     """Values in the signed range, max error half a step, the extremes hit the range ends."""
     w = _weight(2)
@@ -83,8 +91,8 @@ def test_scale_rounded_to_checkpoint_dtype_before_rounding_values():
 
 
 def test_per_token_quantizer_is_the_serving_rule():
-    """vLLM's scaled_int8_quant / vllm-ascend's npu_dynamic_quant: scale = absmax / 127 (fp32), round half to even,
-    saturate; not compressed-tensors' calibration-time absmax / 127.5."""
+    """vLLM's scaled_int8_quant / vllm-ascend's npu_dynamic_quant: scale = absmax / 127 (fp32), round half to
+    even, saturate; not compressed-tensors' calibration-time absmax / 127.5."""
     x = torch.randn(2, 16, 64) * torch.linspace(0.1, 5, 64)
     x[0, 0] = 0.0  # a zero row: scale 0, q 0
     x[0, 1, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale exactly 1: ties round to even
@@ -92,7 +100,9 @@ def test_per_token_quantizer_is_the_serving_rule():
     absmax = x.abs().amax(-1, keepdim=True)
     assert torch.equal(scale, absmax / 127) and scale.dtype == torch.float32
     assert torch.equal(q[0, 0], torch.zeros(64)) and q[0, 1, :4].tolist() == [127.0, 0.0, 2.0, -2.0]
-    plain = torch.where(absmax > 0, x / torch.where(absmax > 0, absmax / 127, 1.0), 0.0).round().clamp(-128, 127)
+    plain = (
+        torch.where(absmax > 0, x / torch.where(absmax > 0, absmax / 127, 1.0), 0.0).round().clamp(-128, 127)
+    )
     assert torch.equal(q, plain)
     assert torch.equal(qmath.per_token_fake_quantize(x), q * scale)
     args = QuantizationArgs(num_bits=8, strategy="token", symmetric=True, dynamic=True)
@@ -110,17 +120,23 @@ def test_static_and_fp8_scales_match_compressed_tensors():
     ct_scale, ct_zp = calculate_qparams(-absmax.reshape(1), absmax.reshape(1), fp8_args)
     scale = qmath.fp8_scale(absmax, torch.float32)
     torch.testing.assert_close(scale, ct_scale)
-    torch.testing.assert_close(qmath.fp8_fake_quantize(x, scale), fake_quantize(x, ct_scale, ct_zp, fp8_args), rtol=0, atol=0)
+    torch.testing.assert_close(
+        qmath.fp8_fake_quantize(x, scale), fake_quantize(x, ct_scale, ct_zp, fp8_args), rtol=0, atol=0
+    )
 
 
-@pytest.mark.parametrize("args,input_args", [
-    (WEIGHT_ARGS[0], QuantizationArgs(num_bits=8, strategy="token", symmetric=True, dynamic=True)),
-    (QuantizationArgs(num_bits=4, strategy="group", group_size=32, symmetric=False), None),
-    (QuantizationArgs(num_bits=8, strategy="channel", symmetric=True), None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,input_args",
+    [
+        (WEIGHT_ARGS[0], QuantizationArgs(num_bits=8, strategy="token", symmetric=True, dynamic=True)),
+        (QuantizationArgs(num_bits=4, strategy="group", group_size=32, symmetric=False), None),
+        (QuantizationArgs(num_bits=8, strategy="channel", symmetric=True), None),
+    ],
+)
 def test_written_tensors_unpack_to_the_chosen_values(args, input_args):
-    """int-quantized / pack-quantized tensors (compressed-tensors' compressor) give back q, scale and zero point,
-    through unpack_from_int32 and through ascq's decompress_linear; their names/dtypes/shapes are the specs'."""
+    """int-quantized / pack-quantized tensors (compressed-tensors' compressor) give back q, scale and zero
+    point, through unpack_from_int32 and through ascq's decompress_linear; their names/dtypes/shapes are the
+    specs'."""
     w = _weight(4)
     q, scale, zp = observer.quantize_weight(w, args, torch.bfloat16)
     owner = RecipeScheme("test", {}, [])
@@ -158,7 +174,9 @@ def test_mse_observer_shrinks_ranges_to_lower_the_weight_error_and_unknown_obser
     w[3, 5] = 8.0  # one outlier: its group's range is worth shrinking
     errors = {}
     for name in ("minmax", "mse"):
-        args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, observer=name)
+        args = QuantizationArgs(
+            num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, observer=name
+        )
         low, high = observer.weight_ranges(qmath.to_groups(w, "group", 64), args, torch.float32)
         errors[name] = (observer.fake_quantize_weight(w, args) - w).pow(2).mean()
         assert (high <= w.view(64, 4, 64).amax(-1)).all() and (low >= w.view(64, 4, 64).amin(-1)).all()
@@ -166,7 +184,10 @@ def test_mse_observer_shrinks_ranges_to_lower_the_weight_error_and_unknown_obser
     weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}
     for bad in ({"observer": "histogram"}, {"observer": "mse", "observer_kwargs": {"patience": 3}}):
         with pytest.raises(UnsupportedError, match="observer"):
-            parse_recipe_scheme("GPTQModifier", {"config_groups": {"g": {"targets": ["Linear"], "weights": {**weights, **bad}}}})
+            parse_recipe_scheme(
+                "GPTQModifier",
+                {"config_groups": {"g": {"targets": ["Linear"], "weights": {**weights, **bad}}}},
+            )
 
 
 def test_mse_observer_matches_a_per_group_loop_across_chunks(monkeypatch):
@@ -175,11 +196,15 @@ def test_mse_observer_matches_a_per_group_loop_across_chunks(monkeypatch):
 
     from ascq.core import qmath
 
-    monkeypatch.setattr(observer, "MSE_CHUNK_ELEMENTS", 3 * 64 + 5)  # chunk edges inside the weight, a ragged last one
+    monkeypatch.setattr(
+        observer, "MSE_CHUNK_ELEMENTS", 3 * 64 + 5
+    )  # chunk edges inside the weight, a ragged last one
     torch.manual_seed(1)
     w = torch.randn(10, 4, 64) * torch.rand(10, 4, 1)
     w[2, 1, 7] = 9.0
-    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, observer="mse")
+    args = QuantizationArgs(
+        num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, observer="mse"
+    )
     low, high = observer.weight_ranges(w, args, torch.float32)
     for r in range(10):
         for g in range(4):

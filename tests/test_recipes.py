@@ -48,7 +48,11 @@ def test_shipped_schemes():
 def test_recipes_compose():
     composed = load_recipes(["w8a8", "fp8-kv"])
     assert composed.names == ["w8a8", "fp8-kv"]
-    assert [m.name for m in composed.modifiers] == ["SmoothQuantModifier", "QuantizationModifier", "QuantizationModifier"]
+    assert [m.name for m in composed.modifiers] == [
+        "SmoothQuantModifier",
+        "QuantizationModifier",
+        "QuantizationModifier",
+    ]
     assert len(composed.schemes()) == 2
     with pytest.raises(AscqError, match="more than one modifier quantizes weights"):
         load_recipes(["w8a8", "w4a16-rtn"])
@@ -59,25 +63,48 @@ def test_recipes_compose():
 
 
 BAD_RECIPES = {
-    "unknown modifier": ("a_stage:\n  b_modifiers:\n    FancyModifier: {}\n", "unknown modifier 'FancyModifier'"),
-    "bad type": ("a_stage:\n  b_modifiers:\n    SmoothQuantModifier: {smoothing_strength: high}\n", "smoothing_strength must be float"),
-    "bad value": ("a_stage:\n  b_modifiers:\n    SmoothQuantModifier: {smoothing_strength: 1.5}\n", r"must be in \(0, 1\)"),
-    "unknown argument": ("a_stage:\n  b_modifiers:\n    QuantizationModifier: {scheme: W8A8, colour: red}\n", "unknown argument 'colour'"),
+    "unknown modifier": (
+        "a_stage:\n  b_modifiers:\n    FancyModifier: {}\n",
+        "unknown modifier 'FancyModifier'",
+    ),
+    "bad type": (
+        "a_stage:\n  b_modifiers:\n    SmoothQuantModifier: {smoothing_strength: high}\n",
+        "smoothing_strength must be float",
+    ),
+    "bad value": (
+        "a_stage:\n  b_modifiers:\n    SmoothQuantModifier: {smoothing_strength: 1.5}\n",
+        r"must be in \(0, 1\)",
+    ),
+    "unknown argument": (
+        "a_stage:\n  b_modifiers:\n    QuantizationModifier: {scheme: W8A8, colour: red}\n",
+        "unknown argument 'colour'",
+    ),
     "malformed yaml": ("a_stage:\n  b_modifiers: [unclosed\n", "malformed YAML at line"),
     "not a mapping": ("- just\n- a list\n", "expected a mapping of stages"),
     "bad stage": ("quant:\n  x_modifiers: {}\n", "must be a '<name>_stage' mapping"),
-    "bad preset": ("a_stage:\n  b_modifiers:\n    QuantizationModifier: {scheme: NVFP4}\n", "scheme 'NVFP4' is not supported"),
+    "bad preset": (
+        "a_stage:\n  b_modifiers:\n    QuantizationModifier: {scheme: NVFP4}\n",
+        "scheme 'NVFP4' is not supported",
+    ),
     "bad qargs": (
-        "a_stage:\n  b_modifiers:\n    QuantizationModifier:\n      config_groups:\n        g: {weights: {num_bits: eight}}\n",
+        "a_stage:\n  b_modifiers:\n    QuantizationModifier:\n      config_groups:\n        g: {weights: "
+        "{num_bits: eight}}\n",
         "config_groups.g.weights.num_bits",
     ),
     "unsupported qargs": (
-        "a_stage:\n  b_modifiers:\n    QuantizationModifier:\n      config_groups:\n        g: {weights: {num_bits: 3}}\n",
+        "a_stage:\n  b_modifiers:\n    QuantizationModifier:\n      config_groups:\n        g: {weights: "
+        "{num_bits: 3}}\n",
         "weights must be int4 or int8",
     ),
-    "bad kv": ("a_stage:\n  b_modifiers:\n    QuantizationModifier: {kv_cache_scheme: {num_bits: 8, type: int}}\n", "kv_cache_scheme must be fp8"),
+    "bad kv": (
+        "a_stage:\n  b_modifiers:\n    QuantizationModifier: {kv_cache_scheme: {num_bits: 8, type: int}}\n",
+        "kv_cache_scheme must be fp8",
+    ),
     "nothing": ("a_stage:\n  b_modifiers:\n    QuantizationModifier: {}\n", "needs a scheme"),
-    "ignore type": ("a_stage:\n  b_modifiers:\n    QuantizationModifier: {scheme: W8A8, ignore: lm_head}\n", "ignore must be list"),
+    "ignore type": (
+        "a_stage:\n  b_modifiers:\n    QuantizationModifier: {scheme: W8A8, ignore: lm_head}\n",
+        "ignore must be list",
+    ),
 }
 
 

@@ -1,5 +1,5 @@
-"""The engine's own models against independent references: transformers (Llama family) and ascq's plain-PyTorch
-DeepSeek-MoE reference, greedy token by token."""
+"""The engine's own models against independent references: transformers (Llama family) and ascq's
+plain-PyTorch DeepSeek-MoE reference, greedy token by token."""
 
 from __future__ import annotations
 
@@ -16,8 +16,12 @@ from ascq.runtime.engine.llm_engine import LLMEngine
 from ascq.runtime.sampling.sampling_params import SamplingParams
 
 
-def run_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> list[list[int]]:
-    done = run_batch(engine, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos))
+def run_greedy(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True
+) -> list[list[int]]:
+    done = run_batch(
+        engine, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    )
     return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
@@ -32,14 +36,14 @@ def text_prompts(tokenizer, num: int, eval_text: Path) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(0, len(ids) - 200, (num,), generator=g).tolist()
     lengths = torch.randint(4, 120, (num,), generator=g).tolist()
-    return [ids[s:s + n] for s, n in zip(starts, lengths, strict=True)]
+    return [ids[s : s + n] for s, n in zip(starts, lengths, strict=True)]
 
 
 def hf_greedy(model, prompt: list[int], max_tokens: int, eos: int | None) -> list[int]:
     out = model.generate(
         torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
@@ -47,8 +51,9 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def reference_greedy_batch(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy decoding without a cache: the whole sequence is recomputed each step. Sequences are right-padded,
-    which a causal model never attends to, and each one's next token is read at its own last position."""
+    """Greedy decoding without a cache: the whole sequence is recomputed each step. Sequences are
+    right-padded, which a causal model never attends to, and each one's next token is read at its own last
+    position."""
     seqs = [list(p) for p in prompts]
     with torch.no_grad():
         for _ in range(max_tokens):
@@ -57,7 +62,7 @@ def reference_greedy_batch(model, prompts: list[list[int]], max_tokens: int) -> 
             logits = model(batch)
             for i, s in enumerate(seqs):
                 s.append(int(logits[i, len(s) - 1].argmax()))
-    return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)]
+    return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
 
 
 def test_random_llama_greedy_matches_transformers(random_llama_dir, byte_tokenizer):
@@ -79,18 +84,41 @@ def test_random_deepseek_greedy_matches_reference(random_deepseek_dir, byte_toke
     "variant",
     [
         {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True},
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 64}},
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
         {"rope_scaling": {"type": "linear", "factor": 4.0}, "num_key_value_heads": 4, "head_dim": 16},
     ],
     ids=["qwen2-bias-tied", "llama3-rope", "linear-rope-mha-headdim"],
 )
 def test_llama_family_variants_match_transformers(tmp_path, byte_tokenizer, variant):
-    base = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=256, max_position_embeddings=256, rms_norm_eps=1e-6)
-    config_cls = transformers.Qwen2Config if variant.get("model_type") == "qwen2" else transformers.LlamaConfig
-    config = config_cls(**{**base, **{k: v for k, v in variant.items() if k not in ("architectures", "model_type")}})
-    model_cls = transformers.Qwen2ForCausalLM if config_cls is transformers.Qwen2Config else transformers.LlamaForCausalLM
+    base = dict(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    )
+    config_cls = (
+        transformers.Qwen2Config if variant.get("model_type") == "qwen2" else transformers.LlamaConfig
+    )
+    config = config_cls(
+        **{**base, **{k: v for k, v in variant.items() if k not in ("architectures", "model_type")}}
+    )
+    model_cls = (
+        transformers.Qwen2ForCausalLM
+        if config_cls is transformers.Qwen2Config
+        else transformers.LlamaForCausalLM
+    )
     torch.manual_seed(1)
     hf = model_cls(config).float().eval()
     if variant.get("model_type") == "qwen2":  # make the q/k/v biases matter

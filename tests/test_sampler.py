@@ -26,7 +26,9 @@ def test_top_k_keeps_exactly_k_tokens_per_row():
     logits = torch.randn(2, 100)
     masked = apply_top_k_top_p(logits, torch.tensor([5, 0]), torch.tensor([1.0, 1.0]))
     assert torch.isfinite(masked[0]).sum() == 5 and torch.isfinite(masked[1]).sum() == 100
-    assert set(torch.isfinite(masked[0]).nonzero().flatten().tolist()) == set(logits[0].topk(5).indices.tolist())
+    assert set(torch.isfinite(masked[0]).nonzero().flatten().tolist()) == set(
+        logits[0].topk(5).indices.tolist()
+    )
 
 
 def test_top_p_keeps_smallest_set_reaching_mass():
@@ -62,7 +64,9 @@ def test_per_request_seed_is_reproducible_regardless_of_batch():
     logits = torch.randn(1, 1000)
     alone = [Sampler()(logits, [request(seed=42, temperature=1.0)])[0].token_id for _ in range(3)]
     batch = torch.cat([torch.randn(2, 1000), logits])
-    mixed = Sampler(seed=9)(batch, [request(temperature=1.0), request(temperature=1.0), request(seed=42, temperature=1.0)])
+    mixed = Sampler(seed=9)(
+        batch, [request(temperature=1.0), request(temperature=1.0), request(seed=42, temperature=1.0)]
+    )
     assert alone == [alone[0]] * 3 and mixed[2].token_id == alone[0]
 
 
@@ -91,10 +95,19 @@ def test_logits_processor_runs_before_sampling():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"n": 0}, "n must"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
-     ({"logprobs": -1}, "logprobs"), ({"stop": [3]}, "stop"), ({"repetition_penalty": 0}, "repetition_penalty"),
-     ({"presence_penalty": 3}, "presence_penalty"), ({"min_tokens": 20, "max_tokens": 5}, "min_tokens"),
-     ({"bad_words": [""]}, "bad_words"), ({"prompt_logprobs": -1}, "prompt_logprobs")],
+    [
+        ({"n": 0}, "n must"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop": [3]}, "stop"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ],
 )
 def test_invalid_params_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -1,4 +1,5 @@
-"""Scheduler: token budget, chunked prefill mixed with decode, max_num_seqs, FCFS, preemption of the newest."""
+"""Scheduler: token budget, chunked prefill mixed with decode, max_num_seqs, FCFS, preemption of the
+newest."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def test_newest_running_request_is_preempted_and_recomputed(prefix_caching):
     assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
     assert s.waiting[0] is b
     s.finish(a)
-    # recomputed: prompt + its 2 generated tokens, or only the last one when its 2 full blocks are still cached
+    # recomputed: prompt + its 2 generated tokens, or only the last one when its 2 full blocks are still
+    # cached
     assert step(s) == {"b": 1 if prefix_caching else 9}
     s.finish(b)
     assert bm.num_free_blocks == 4

@@ -26,9 +26,14 @@ PROMPTS = ["def parse_args(argv):\n    ", "import os\nimport sys\n\n", "class Qu
 # ---- server process (ascq/runtime/server/launcher.py) --------------------------------------------------
 
 
-def launch_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None,
-                  startup_timeout_s: float = 120.0, env_vars: dict[str, str] | None = None
-                  ) -> tuple[subprocess.Popen, str]:
+def launch_server(
+    model_dir: Path,
+    log_path: Path,
+    *extra: str,
+    api_key: str | None = None,
+    startup_timeout_s: float = 120.0,
+    env_vars: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen, str]:
     """`ascq serve` with a small KV cache, one thread, no inherited API key; returns (process, base url)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ASCQ_API_KEY", None)
@@ -37,28 +42,45 @@ def launch_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | N
     if api_key:
         env["ASCQ_API_KEY"] = api_key  # via the environment: a key on the command line shows in `ps`
     try:
-        return launcher.launch_server(model_dir, log_path, "--kv-cache-memory", str(64 << 20), "--max-model-len",
-                                      "512", *extra, env=env, startup_timeout_s=startup_timeout_s)
+        return launcher.launch_server(
+            model_dir,
+            log_path,
+            "--kv-cache-memory",
+            str(64 << 20),
+            "--max-model-len",
+            "512",
+            *extra,
+            env=env,
+            startup_timeout_s=startup_timeout_s,
+        )
     except AscqError as exc:
         raise AssertionError(str(exc)) from None
 
 
 def stop_server(process: subprocess.Popen, log_path: Path, secret: str) -> None:
-    """SIGTERM drain; the process is killed on every path (a drain that does not finish too); then the log checks."""
+    """SIGTERM drain; the process is killed on every path (a drain that does not finish too); then the log
+    checks."""
     assert launcher.stop_server(process, timeout_s=20) == 0
     log = log_path.read_text()
-    assert "Traceback" not in log, log[log.find("Traceback"):][:5000]
+    assert "Traceback" not in log, log[log.find("Traceback") :][:5000]
     assert secret not in log
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path, log_dir: Path, *extra: str, api_key: str | None = None,
-                   env_vars: dict[str, str] | None = None, secret: str | None = None,
-                   startup_timeout_s: float = 120.0) -> Iterator[tuple[str, Path]]:
+def running_server(
+    model_dir: Path,
+    log_dir: Path,
+    *extra: str,
+    api_key: str | None = None,
+    env_vars: dict[str, str] | None = None,
+    secret: str | None = None,
+    startup_timeout_s: float = 120.0,
+) -> Iterator[tuple[str, Path]]:
     """A module's server: (base url, log path) while it runs; stopped and its log checked afterwards."""
     log_path = log_dir / "server.log"
-    process, base_url = launch_server(model_dir, log_path, *extra, api_key=api_key, env_vars=env_vars,
-                                      startup_timeout_s=startup_timeout_s)
+    process, base_url = launch_server(
+        model_dir, log_path, *extra, api_key=api_key, env_vars=env_vars, startup_timeout_s=startup_timeout_s
+    )
     try:
         yield base_url, log_path
     finally:
@@ -71,8 +93,13 @@ def openai_client(server: tuple[str, Path], api_key: str, timeout: float = 60) -
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("server"), "--served-model-name", "tiny-llama",
-                        api_key=API_KEY) as running:
+    with running_server(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("server"),
+        "--served-model-name",
+        "tiny-llama",
+        api_key=API_KEY,
+    ) as running:
         yield running
 
 
@@ -118,8 +145,16 @@ def test_completions_greedy_equal_llm_generate(client: openai.OpenAI, llm) -> No
         assert response.choices[0].finish_reason == done.finish_reason
         assert response.usage.prompt_tokens == len(tokenizer.encode(prompt))
         assert response.usage.completion_tokens == len(done.token_ids)
-        chunks = list(client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=24, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model="tiny-llama",
+                prompt=prompt,
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == done.text
         assert chunks[-1].usage.completion_tokens == len(done.token_ids) and not chunks[-1].choices
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == done.finish_reason
@@ -128,16 +163,21 @@ def test_completions_greedy_equal_llm_generate(client: openai.OpenAI, llm) -> No
 def test_chat_greedy_equal_llm_chat(client: openai.OpenAI, llm) -> None:
     from ascq import SamplingParams
 
-    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Sort a list."},
+    ]
     (expected,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=20))
     text = expected.outputs[0].text
-    response = client.chat.completions.create(model="tiny-llama", messages=messages, max_completion_tokens=20,
-                                              temperature=0)
+    response = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_completion_tokens=20, temperature=0
+    )
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == text
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
-    stream = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=20, temperature=0,
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=20, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
@@ -145,31 +185,55 @@ def test_chat_greedy_equal_llm_chat(client: openai.OpenAI, llm) -> None:
 
 
 def test_sampling_parameters(client: openai.OpenAI) -> None:
-    sampled = [client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=16, temperature=0.9,
-                                         top_p=0.9, seed=123, extra_body={"top_k": 50, "min_p": 0.01}).choices[0].text
-               for _ in range(2)]
+    sampled = [
+        client.completions.create(
+            model="tiny-llama",
+            prompt=PROMPTS[0],
+            max_tokens=16,
+            temperature=0.9,
+            top_p=0.9,
+            seed=123,
+            extra_body={"top_k": 50, "min_p": 0.01},
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]  # same seed, same text
     greedy = client.completions.create(model="tiny-llama", prompt=PROMPTS[1], max_tokens=24, temperature=0)
     text = greedy.choices[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
-    stopped = client.completions.create(model="tiny-llama", prompt=PROMPTS[1], max_tokens=24, temperature=0,
-                                        stop=[stop]).choices[0]
-    assert stopped.finish_reason == "stop" and stopped.text == text[:text.index(stop)]
-    batch = client.completions.create(model="tiny-llama", prompt=PROMPTS[:2], max_tokens=4, temperature=0.7, n=2)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    stopped = client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop]
+    ).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == text[: text.index(stop)]
+    batch = client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[:2], max_tokens=4, temperature=0.7, n=2
+    )
     assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
     assert 4 <= batch.usage.completion_tokens <= 16 and batch.usage.prompt_tokens > 0
 
 
 def test_logprobs(client: openai.OpenAI) -> None:
-    choice = client.completions.create(model="tiny-llama", prompt=PROMPTS[2], max_tokens=6, temperature=0,
-                                       logprobs=3).choices[0]
+    choice = client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[2], max_tokens=6, temperature=0, logprobs=3
+    ).choices[0]
     assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == 6
-    for token, logprob, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs,
-                                   choice.logprobs.top_logprobs, strict=True):
-        assert logprob <= 0 and len(top) <= 3 and max(top.values()) == pytest.approx(logprob)  # greedy = top-1
+    for token, logprob, top in zip(
+        choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs, strict=True
+    ):
+        assert (
+            logprob <= 0 and len(top) <= 3 and max(top.values()) == pytest.approx(logprob)
+        )  # greedy = top-1
         assert token in top
-    chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
 
@@ -201,13 +265,41 @@ HOSTILE = [  # (name, path, httpx request kwargs, expected status)
     ("repetition_penalty zero", COMPLETIONS, {"json": {"prompt": "a", "repetition_penalty": 0}}, 400),
     ("logit_bias key not a token id", COMPLETIONS, {"json": {"prompt": "a", "logit_bias": {"x": 1}}}, 400),
     ("logit_bias out of range", COMPLETIONS, {"json": {"prompt": "a", "logit_bias": {"5": 101}}}, 400),
-    ("logit_bias token out of vocab", COMPLETIONS, {"json": {"prompt": "a", "logit_bias": {"999999": 1}}}, 400),
+    (
+        "logit_bias token out of vocab",
+        COMPLETIONS,
+        {"json": {"prompt": "a", "logit_bias": {"999999": 1}}},
+        400,
+    ),
     ("bad regex", COMPLETIONS, {"json": {"prompt": "a", "guided_regex": "("}}, 400),
-    ("two constraints", COMPLETIONS, {"json": {"prompt": "a", "guided_regex": "a", "guided_choice": ["b"]}}, 400),
-    ("json_schema without schema", CHAT,
-     {"json": {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}}, 400),
-    ("auto tools without the flags", CHAT, {"json": {"messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}}, 400),
+    (
+        "two constraints",
+        COMPLETIONS,
+        {"json": {"prompt": "a", "guided_regex": "a", "guided_choice": ["b"]}},
+        400,
+    ),
+    (
+        "json_schema without schema",
+        CHAT,
+        {
+            "json": {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema"},
+            }
+        },
+        400,
+    ),
+    (
+        "auto tools without the flags",
+        CHAT,
+        {
+            "json": {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            }
+        },
+        400,
+    ),
     ("top_k beyond int64", COMPLETIONS, {"json": {"prompt": "a", "top_k": 10**20}}, 400),
     ("seed beyond int64", COMPLETIONS, {"json": {"prompt": "a", "seed": -(10**30)}}, 400),
     ("logprobs too many", COMPLETIONS, {"json": {"prompt": "a", "logprobs": 1000}}, 400),
@@ -218,11 +310,19 @@ HOSTILE = [  # (name, path, httpx request kwargs, expected status)
     ("missing messages", CHAT, {"json": {"model": "tiny-llama"}}, 400),
     ("bad role", CHAT, {"json": {"messages": [{"role": "root", "content": "x"}]}}, 400),
     ("content wrong type", CHAT, {"json": {"messages": [{"role": "user", "content": 12}]}}, 400),
-    ("huge max_completion_tokens", CHAT,
-     {"json": {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 99999}}, 400),
+    (
+        "huge max_completion_tokens",
+        CHAT,
+        {"json": {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 99999}},
+        400,
+    ),
     ("wrong key", COMPLETIONS, {"json": {"prompt": "a"}, "headers": {"Authorization": "Bearer wrong"}}, 401),
-    ("missing key", CHAT, {"json": {"messages": [{"role": "user", "content": "x"}]}, "headers": {"Authorization": ""}},
-     401),
+    (
+        "missing key",
+        CHAT,
+        {"json": {"messages": [{"role": "user", "content": "x"}]}, "headers": {"Authorization": ""}},
+        401,
+    ),
 ]
 
 
@@ -232,7 +332,11 @@ def test_hostile_requests_get_openai_errors(server, client: openai.OpenAI) -> No
     with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
         for name, path, kwargs, status in HOSTILE:
             response = http.post(path, **kwargs)
-            error = response.json().get("error", {}) if response.headers.get("content-type") == "application/json" else {}
+            error = (
+                response.json().get("error", {})
+                if response.headers.get("content-type") == "application/json"
+                else {}
+            )
             if response.status_code != status or set(error) != {"message", "type", "param", "code"}:
                 failures.append(f"{name}: {response.status_code} {response.text[:200]}")
         over_long = http.post(COMPLETIONS, json={"prompt": "x = 1\n" * 600, "max_tokens": 4}).json()
@@ -251,15 +355,26 @@ def test_hostile_requests_get_openai_errors(server, client: openai.OpenAI) -> No
 def test_metrics_parse_and_move(server, client: openai.OpenAI) -> None:
     base_url, _ = server
     before = wait_idle(base_url)
-    client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=5, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[0], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = wait_idle(base_url)
     assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
-    assert after["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"] + 1
-    assert after["vllm:inter_token_latency_seconds_count"] == before["vllm:inter_token_latency_seconds_count"] + 4
+    assert (
+        after["vllm:time_to_first_token_seconds_count"]
+        == before["vllm:time_to_first_token_seconds_count"] + 1
+    )
+    assert (
+        after["vllm:inter_token_latency_seconds_count"]
+        == before["vllm:inter_token_latency_seconds_count"] + 4
+    )
     assert after["vllm:request_success_total"] == before["vllm:request_success_total"] + 1
-    for name in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:e2e_request_latency_seconds_sum"):
+    for name in (
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:e2e_request_latency_seconds_sum",
+    ):
         assert name in after
 
 
@@ -278,8 +393,12 @@ def test_disconnect_mid_stream_frees_blocks(server) -> None:
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 400  # cut short
     with pytest.raises(httpx.TimeoutException):  # a non-streaming client that gives up is noticed too
         # 480 tokens take about 1.1 s on a quiet 2-core machine: a client giving up at 1.0 s raced the finish
-        httpx.post(f"{base_url}{COMPLETIONS}", json=dict(body, stream=False, max_tokens=480), timeout=0.25,
-                   headers={"Authorization": f"Bearer {API_KEY}"})
+        httpx.post(
+            f"{base_url}{COMPLETIONS}",
+            json=dict(body, stream=False, max_tokens=480),
+            timeout=0.25,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )
     final = wait_idle(base_url)
     assert final["ascq:num_free_blocks"] == final["ascq:num_total_blocks"]
     assert final["vllm:generation_tokens_total"] - after["vllm:generation_tokens_total"] < 480
@@ -339,9 +458,31 @@ def test_bench_serve_reports(server, tmp_path: Path) -> None:
     base_url, _ = server
     result = tmp_path / "bench.json"
     env = dict(os.environ, OPENAI_API_KEY=API_KEY)
-    run = subprocess.run([sys.executable, "-m", "ascq.cli", "bench", "serve", "--base-url", base_url,
-                          "--num-prompts", "12", "--input-len", "16", "--output-len", "6", "--max-concurrency", "4",
-                          "--result-json", str(result)], capture_output=True, text=True, env=env, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ascq.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            base_url,
+            "--num-prompts",
+            "12",
+            "--input-len",
+            "16",
+            "--output-len",
+            "6",
+            "--max-concurrency",
+            "4",
+            "--result-json",
+            str(result),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert "Output token throughput" in run.stdout and "P99 ITL" in run.stdout
     data = json.loads(result.read_text())["metrics"]

@@ -36,7 +36,9 @@ def test_engine_killed_mid_stream(tiny_llama_dir: Path, tmp_path: Path) -> None:
         reader.start()
     try:
         started.wait()
-        engine = next(c for c in children if "spawn_main" in " ".join(c.cmdline()))  # not the resource tracker
+        engine = next(
+            c for c in children if "spawn_main" in " ".join(c.cmdline())
+        )  # not the resource tracker
         start = time.monotonic()
         os.kill(engine.pid, signal.SIGKILL)
         answers = []
@@ -61,7 +63,10 @@ def test_engine_killed_mid_stream(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert code != 0 and elapsed < 5, (code, elapsed, log[-2000:])
     recent = answers[-3:]
     assert [a.status_code for a in recent] == [503, 503, 503], [(a.status_code, a.text) for a in answers]
-    assert recent[0].json()["error"]["code"] == "engine_dead" and recent[1].json()["error"]["code"] == "engine_dead"
+    assert (
+        recent[0].json()["error"]["code"] == "engine_dead"
+        and recent[1].json()["error"]["code"] == "engine_dead"
+    )
     for lines in streams:
         assert lines[-1] == "data: [DONE]" and "engine process died" in lines[-2], lines[-3:]
     time.sleep(1)

@@ -1,7 +1,8 @@
 """The serving process detokenises (output_processor.py): the engine core's token-id deltas, run through the
-OutputProcessor, must give exactly the outputs of the in-process engine (which detokenises itself), step by step,
-including stop strings, min_tokens, include_stop_str_in_output, stop token ids, n > 1 and logprobs. Runs the real
-engine on the committed tiny-llama fixture, in one process (the pipe between them carries these same objects)."""
+OutputProcessor, must give exactly the outputs of the in-process engine (which detokenises itself), step by
+step, including stop strings, min_tokens, include_stop_str_in_output, stop token ids, n > 1 and logprobs. Runs
+the real engine on the committed tiny-llama fixture, in one process (the pipe between them carries these same
+objects)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def engines(tiny_llama_dir):
 
 
 def request_cases(engine: LLMEngine) -> list[tuple[list[int], SamplingParams]]:
-    """Requests whose stop strings and stop token ids come from the model's own greedy output, so they do hit."""
+    """Requests whose stop strings and stop token ids come from the model's own greedy output, so they do
+    hit."""
     tokenizer = engine.tokenizer
     cases = []
     for i, prompt in enumerate(PROMPTS):
@@ -40,13 +42,27 @@ def request_cases(engine: LLMEngine) -> list[tuple[list[int], SamplingParams]]:
         cases += [
             (ids, SamplingParams(temperature=0, max_tokens=24)),
             (ids, SamplingParams(temperature=0, max_tokens=24, stop=[text[6:9], "\x00never"])),
-            (ids, SamplingParams(temperature=0, max_tokens=24, stop=text[6:9], include_stop_str_in_output=True)),
+            (
+                ids,
+                SamplingParams(temperature=0, max_tokens=24, stop=text[6:9], include_stop_str_in_output=True),
+            ),
             (ids, SamplingParams(temperature=0, max_tokens=24, stop=text[1:3], min_tokens=6)),
             (ids, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[token_ids[5]], logprobs=2)),
-            (ids, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[token_ids[5]],
-                                 include_stop_str_in_output=True)),
-            (ids, SamplingParams(n=2, temperature=1.0, seed=7 + i, max_tokens=20, stop=[text[4:6], text[10:12]],
-                                 logprobs=1)),
+            (
+                ids,
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=24,
+                    stop_token_ids=[token_ids[5]],
+                    include_stop_str_in_output=True,
+                ),
+            ),
+            (
+                ids,
+                SamplingParams(
+                    n=2, temperature=1.0, seed=7 + i, max_tokens=20, stop=[text[4:6], text[10:12]], logprobs=1
+                ),
+            ),
         ]
     return cases
 
@@ -127,4 +143,6 @@ def test_processor_drops_tokens_the_core_made_after_a_stop_string(engines):
     assert split_logprobs(served)[0] == split_logprobs(reference)[0]
     assert split_logprobs(served)[1] == pytest.approx(split_logprobs(reference)[1], rel=1e-4, abs=1e-5)
     num_kept = sum(len(o.token_ids) for output in served.values() for o in output.outputs)
-    assert core.num_generation_tokens - num_core_tokens > num_kept  # the core did make tokens past stop strings
+    assert (
+        core.num_generation_tokens - num_core_tokens > num_kept
+    )  # the core did make tokens past stop strings

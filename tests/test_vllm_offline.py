@@ -23,9 +23,21 @@ PROMPTS = ["def parse_args(argv):\n    ", "import os\nimport sys\n\n", "class Qu
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     # the kwargs a vLLM user passes, unchanged
-    return LLM(model=str(tiny_llama_dir), tensor_parallel_size=1, gpu_memory_utilization=0.02, enforce_eager=True,
-               trust_remote_code=False, max_model_len=512, seed=0, dtype="float32", kv_cache_dtype="auto",
-               block_size=16, enable_prefix_caching=True, swap_space=0, cpu_offload_gb=0)
+    return LLM(
+        model=str(tiny_llama_dir),
+        tensor_parallel_size=1,
+        gpu_memory_utilization=0.02,
+        enforce_eager=True,
+        trust_remote_code=False,
+        max_model_len=512,
+        seed=0,
+        dtype="float32",
+        kv_cache_dtype="auto",
+        block_size=16,
+        enable_prefix_caching=True,
+        swap_space=0,
+        cpu_offload_gb=0,
+    )
 
 
 def greedy(**kwargs) -> SamplingParams:
@@ -76,7 +88,9 @@ def test_gpu_memory_utilization_sizes_kv_from_free_memory(tiny_llama_dir) -> Non
     free = psutil.virtual_memory().available
     kv_bytes = small.block_manager.num_blocks * small.block_bytes
     expected = 0.01 * free - module_bytes(small.model)
-    assert abs(kv_bytes - expected) < 0.2 * expected + 2 * small.block_bytes  # free memory moves a little meanwhile
+    assert (
+        abs(kv_bytes - expected) < 0.2 * expected + 2 * small.block_bytes
+    )  # free memory moves a little meanwhile
 
 
 # ---- sampling parameters against per-request references ------------------------------------------------
@@ -102,11 +116,17 @@ def test_repetition_penalty_matches_transformers_on_logits() -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, 50) * 3
     prompts, outputs = [[1, 2, 3], [4, 4], [7]], [[3, 9, 9], [], [8, 1]]
-    ours = apply_penalties(logits, padded(prompts, 50), padded(outputs, 50), torch.tensor([1.3, 1.3, 1.3]),
-                           torch.zeros(3), torch.zeros(3))
+    ours = apply_penalties(
+        logits,
+        padded(prompts, 50),
+        padded(outputs, 50),
+        torch.tensor([1.3, 1.3, 1.3]),
+        torch.zeros(3),
+        torch.zeros(3),
+    )
     for i in range(3):
         ids = torch.tensor([prompts[i] + outputs[i]])
-        theirs = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits[i:i + 1].clone())
+        theirs = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits[i : i + 1].clone())
         torch.testing.assert_close(ours[i], theirs[0])
 
 
@@ -117,18 +137,29 @@ def test_penalties_bias_and_bans_match_references(llm) -> None:
         (dict(repetition_penalty=1.4), reference_penalties(1.4, 0, 0)),
         (dict(frequency_penalty=0.8, presence_penalty=0.5), reference_penalties(1.0, 0.8, 0.5)),
         (dict(repetition_penalty=0.8, presence_penalty=-0.4), reference_penalties(0.8, 0, -0.4)),
-        (dict(logit_bias={first: -100.0}), lambda out, lg: lg.index_add(0, torch.tensor([first]), torch.tensor([-100.0]))),
-        (dict(min_tokens=20), lambda out, lg: lg.index_fill(0, torch.tensor([eos]), float("-inf")) if len(out) < 20 else lg),
-        (dict(allowed_token_ids=[5, 9, 33, 71]),
-         lambda out, lg: torch.full_like(lg, float("-inf")).index_copy(0, torch.tensor([5, 9, 33, 71]),
-                                                                       lg[[5, 9, 33, 71]])),
+        (
+            dict(logit_bias={first: -100.0}),
+            lambda out, lg: lg.index_add(0, torch.tensor([first]), torch.tensor([-100.0])),
+        ),
+        (
+            dict(min_tokens=20),
+            lambda out, lg: lg.index_fill(0, torch.tensor([eos]), float("-inf")) if len(out) < 20 else lg,
+        ),
+        (
+            dict(allowed_token_ids=[5, 9, 33, 71]),
+            lambda out, lg: torch.full_like(lg, float("-inf")).index_copy(
+                0, torch.tensor([5, 9, 33, 71]), lg[[5, 9, 33, 71]]
+            ),
+        ),
     ]
     prompts = [PROMPTS[i % 3] for i in range(len(cases))]
     batched = llm.generate(prompts, [greedy(**kwargs) for kwargs, _ in cases])  # one batch, mixed parameters
     reference = llm.generate(prompts, [greedy(logits_processors=[ref]) for _, ref in cases])
     assert token_ids(batched) == token_ids(reference)
     plain = token_ids(llm.generate(prompts, greedy()))
-    assert token_ids(batched)[3][0] != first and plain[1][0] == first  # logit_bias -100 changed the greedy token
+    assert (
+        token_ids(batched)[3][0] != first and plain[1][0] == first
+    )  # logit_bias -100 changed the greedy token
     assert token_ids(batched)[0] != plain[0]  # the penalty did something
     assert set(token_ids(batched)[5]) <= {5, 9, 33, 71}
 
@@ -144,20 +175,25 @@ def test_bad_words_never_appear(llm) -> None:
     word = next(w for w in re.findall(r"[A-Za-z_]{3,}", plain))
     banned = llm.generate(PROMPTS[2], greedy(max_tokens=32, bad_words=[word]))[0].outputs[0]
     tokenizer = llm.get_tokenizer()
-    sequences = [tokenizer.encode(word, add_special_tokens=False), tokenizer.encode(" " + word, add_special_tokens=False)]
+    sequences = [
+        tokenizer.encode(word, add_special_tokens=False),
+        tokenizer.encode(" " + word, add_special_tokens=False),
+    ]
     out = banned.token_ids
     for seq in sequences:
-        assert not any(out[i:i + len(seq)] == seq for i in range(len(out))), (word, seq, out)
+        assert not any(out[i : i + len(seq)] == seq for i in range(len(out))), (word, seq, out)
     assert banned.text != plain
 
 
 def test_stop_string_included_on_request(llm) -> None:
     full = llm.generate(PROMPTS[1], greedy(max_tokens=24))[0].outputs[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     cut = llm.generate(PROMPTS[1], greedy(max_tokens=24, stop=[stop]))[0].outputs[0]
-    kept = llm.generate(PROMPTS[1], greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
-    assert cut.text == full[:full.index(stop)]
-    assert kept.text == full[:full.index(stop) + len(stop)] and kept.stop_reason == stop
+    kept = llm.generate(PROMPTS[1], greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True))[
+        0
+    ].outputs[0]
+    assert cut.text == full[: full.index(stop)]
+    assert kept.text == full[: full.index(stop) + len(stop)] and kept.stop_reason == stop
 
 
 def test_n_greedy_gives_identical_copies(llm) -> None:
@@ -193,8 +229,11 @@ def test_seeded_sampling_and_min_p(llm) -> None:
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                   "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
 }
@@ -208,15 +247,21 @@ def test_structured_outputs_json_regex_choice(llm) -> None:
         StructuredOutputsParams(choice=["yes", "no", "maybe"]),
     ]
     prompts = [PROMPTS[i % 3] for i in range(len(cases))]
-    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=c) for c in cases])
+    outs = llm.generate(
+        prompts, [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=c) for c in cases]
+    )
     texts = [o.outputs[0].text for o in outs]
     assert all(o.outputs[0].finish_reason == "stop" for o in outs), texts
     jsonschema.validate(json.loads(texts[0]), SCHEMA)
     assert isinstance(json.loads(texts[1]), dict)
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", texts[2]), texts[2]
     assert texts[3] in ("yes", "no", "maybe")
-    sampled = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=3, max_tokens=120,
-                                                      guided_decoding=StructuredOutputsParams(json=SCHEMA)))
+    sampled = llm.generate(
+        PROMPTS[0],
+        SamplingParams(
+            temperature=1.0, seed=3, max_tokens=120, guided_decoding=StructuredOutputsParams(json=SCHEMA)
+        ),
+    )
     jsonschema.validate(json.loads(sampled[0].outputs[0].text), SCHEMA)
 
 

@@ -1,8 +1,8 @@
 """awq-int4 / w4a16-gptq / w4a8-dynamic on the fixtures: quality against round-to-nearest, and interop.
 
-The outlier-stress variants (`ascq.quantize.outlier_stress`, k = 30) carry the activation outliers real LLMs have
-and the small fixtures lack; that is where AWQ and GPTQ must clearly beat RTN. On the plain fixtures they must
-not be worse than RTN by more than 0.3%.
+The outlier-stress variants (`ascq.quantize.outlier_stress`, k = 30) carry the activation outliers real LLMs
+have and the small fixtures lack; that is where AWQ and GPTQ must clearly beat RTN. On the plain fixtures they
+must not be worse than RTN by more than 0.3%.
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ from ascq.formats.manifest import read_manifest, verify_files
 from ascq.quantize.outlier_stress import write_outlier_stress
 
 FIXTURES = ["tiny_llama_dir", "tiny_deepseek_moe_dir"]
-# AWQ/GPTQ calibrate on 16 x 256 tokens here to keep the suite short (the recipes' benchmark uses the defaults);
-# round-to-nearest does not calibrate, so its default conversion (shared with test_convert) is the baseline.
+# AWQ/GPTQ calibrate on 16 x 256 tokens here to keep the suite short (the recipes' benchmark uses the
+# defaults); round-to-nearest does not calibrate, so its default conversion (shared with test_convert) is the
+# baseline.
 CALIB = {"num_samples": 16, "seq_len": 256}
 
 
 @pytest.fixture(scope="session")
 def outlier_stress(tmp_path_factory):
-    """`outlier_stress(base_dir) -> Path`: the k = 30 stress variant of a fixture, written once per session."""
+    """`outlier_stress(base_dir) -> Path`: the k = 30 stress variant of a fixture, written once per
+    session."""
     root = tmp_path_factory.mktemp("outlier-stress")
     cache: dict[str, Path] = {}
 
@@ -38,7 +40,8 @@ def outlier_stress(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def short_eval_text(tmp_path_factory, eval_text_path) -> Path:
-    """The first ~40 KB of the held-out text (about 12k tokens): enough for the stress variants' large effects."""
+    """The first ~40 KB of the held-out text (about 12k tokens): enough for the stress variants' large
+    effects."""
     path = tmp_path_factory.mktemp("eval") / "eval-40k.txt"
     path.write_text(eval_text_path.read_text()[:40000])
     return path
@@ -51,7 +54,9 @@ def _ppl(entry: Path) -> tuple[float, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture", FIXTURES)
-def test_awq_and_gptq_recover_rtn_loss_on_outlier_stress(request, converted_entry, outlier_stress, short_eval_text, fixture):
+def test_awq_and_gptq_recover_rtn_loss_on_outlier_stress(
+    request, converted_entry, outlier_stress, short_eval_text, fixture
+):
     source = outlier_stress(request.getfixturevalue(fixture))
     opts = dict(CALIB, eval_text=short_eval_text)
     rtn, fp = _ppl(converted_entry(source, ("w4a16-rtn",), **opts))
@@ -59,7 +64,9 @@ def test_awq_and_gptq_recover_rtn_loss_on_outlier_stress(request, converted_entr
     gptq, _ = _ppl(converted_entry(source, ("w4a16-gptq",), **opts))
     assert rtn > fp
     recovered = (rtn - awq) / (rtn - fp)
-    assert recovered >= 0.5, f"AWQ recovered {recovered:.0%} of RTN's loss (fp {fp:.3f}, rtn {rtn:.3f}, awq {awq:.3f})"
+    assert recovered >= 0.5, (
+        f"AWQ recovered {recovered:.0%} of RTN's loss (fp {fp:.3f}, rtn {rtn:.3f}, awq {awq:.3f})"
+    )
     assert gptq < rtn, f"GPTQ {gptq:.3f} is not better than RTN {rtn:.3f}"
 
 
@@ -74,8 +81,16 @@ def test_awq_and_gptq_not_worse_than_rtn_on_plain_fixtures(request, converted_en
 
 
 EXPECTED_SCHEMES = {  # recipe -> (format, weights, input activations) as config.json states them
-    "awq-int4": ("pack-quantized", {"num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": False}, None),
-    "w4a16-gptq": ("pack-quantized", {"num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": False}, None),
+    "awq-int4": (
+        "pack-quantized",
+        {"num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": False},
+        None,
+    ),
+    "w4a16-gptq": (
+        "pack-quantized",
+        {"num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": False},
+        None,
+    ),
     "w4a8-dynamic": (
         "int-quantized",
         {"num_bits": 4, "strategy": "channel", "symmetric": True},
@@ -108,7 +123,9 @@ def _quantized_logits_fn(entry: Path):
     ckpt = QuantizedCheckpoint(entry)
     arch, reader = ckpt.arch, ckpt.reader
     layers = [ckpt.layer(i)[0] for i in range(arch.num_layers)]
-    embed, norm, head = (reader.get(n).float() for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"))
+    embed, norm, head = (
+        reader.get(n).float() for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    )
 
     def logits(ids: torch.Tensor) -> torch.Tensor:
         hidden, position_ids = embed[ids], torch.arange(ids.shape[1])[None]
@@ -126,14 +143,14 @@ def _greedy(logits_fn, prompts, num_tokens: int):
     with torch.no_grad():
         for _ in range(num_tokens):
             ids = torch.cat([ids, logits_fn(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[:, prompts.shape[1]:]
+    return ids[:, prompts.shape[1] :]
 
 
 @pytest.mark.slow
 def test_moe_awq_greedy_agreement_with_fp_not_below_rtn(converted_entry, tiny_deepseek_moe_dir):
     """32 prompts x 24 greedy tokens, fp32: the fraction of tokens equal to full precision's (plain-PyTorch
-    DeepSeek-MoE), awq-int4 >= w4a16-rtn. Measured with 32 x 256 calibration for all three: rtn 0.810, gptq 0.935,
-    awq 0.876 before the exact (power-of-two) router compensation, 0.867 after."""
+    DeepSeek-MoE), awq-int4 >= w4a16-rtn. Measured with 32 x 256 calibration for all three: rtn 0.810, gptq
+    0.935, awq 0.876 before the exact (power-of-two) router compensation, 0.867 after."""
     import torch
 
     from ascq.evaluate import load_eval_token_ids

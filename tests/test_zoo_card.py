@@ -27,7 +27,11 @@ def test_card_of_a_quantized_entry_has_hub_metadata_recipe_and_quality_table(zoo
     assert "| test-org/tiny-test-llama (bf16) | 300.5000 | |" in card.text
     assert "| tiny-test-llama-w4a16 (w4a16) | 310.7500 | +3.41% |" in card.text
     assert "ascq/data/calib.txt, 16 samples of 128 tokens" in card.text
-    for command in ("ascq serve zoo/tiny-test-llama-w4a16", "vllm serve zoo/tiny-test-llama-w4a16", "vllm-ascend"):
+    for command in (
+        "ascq serve zoo/tiny-test-llama-w4a16",
+        "vllm serve zoo/tiny-test-llama-w4a16",
+        "vllm-ascend",
+    ):
         assert command in card.text
     verify_entry(zoo / "tiny-test-llama-w4a16")  # the manifest records README.md
 
@@ -50,9 +54,15 @@ def test_license_is_inherited_from_the_base_entry(zoo: Path) -> None:
     entry = zoo / "tiny-test-llama-w4a16"
     write_manifest(entry, dict(read_manifest(entry), license=None, base_model="tiny-test-llama"))
     base = zoo / "tiny-test-llama"
-    write_manifest(base, dict(read_manifest(base), license="other", license_name="fixture", license_link="LICENSE"))
+    write_manifest(
+        base, dict(read_manifest(base), license="other", license_name="fixture", license_link="LICENSE")
+    )
     metadata = ModelCard(render_card(entry)).data.to_dict()
-    assert (metadata["license"], metadata["license_name"], metadata["license_link"]) == ("other", "fixture", "LICENSE")
+    assert (metadata["license"], metadata["license_name"], metadata["license_link"]) == (
+        "other",
+        "fixture",
+        "LICENSE",
+    )
 
 
 def test_card_is_stable_once_recorded(zoo: Path) -> None:

@@ -1,5 +1,5 @@
-"""`ascq zoo verify` / `zoo show`: sha256 against the manifest, config + tokenizer load, tensor names per format;
-the first mismatch is named; entries are given by name or by path."""
+"""`ascq zoo verify` / `zoo show`: sha256 against the manifest, config + tokenizer load, tensor names per
+format; the first mismatch is named; entries are given by name or by path."""
 
 from __future__ import annotations
 
@@ -57,7 +57,9 @@ def test_extra_and_missing_files_are_named(zoo: Path) -> None:
 
 def test_missing_compressed_tensors_parameter_is_named(zoo: Path) -> None:
     entry = zoo / "tiny-test-llama-w4a16"
-    shard = json.loads((entry / "model.safetensors.index.json").read_text())["weight_map"]["model.layers.0.self_attn.k_proj.weight_zero_point"]
+    shard = json.loads((entry / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.layers.0.self_attn.k_proj.weight_zero_point"
+    ]
     rewrite_shard(entry, shard, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight_zero_point"))
     with pytest.raises(AscqError, match="index.json maps model.layers.0.self_attn.k_proj.weight_zero_point"):
         verify_entry(entry)
@@ -65,7 +67,10 @@ def test_missing_compressed_tensors_parameter_is_named(zoo: Path) -> None:
     del index["weight_map"]["model.layers.0.self_attn.k_proj.weight_zero_point"]
     (entry / "model.safetensors.index.json").write_text(json.dumps(index))
     write_manifest(entry, read_manifest(entry))
-    with pytest.raises(AscqError, match=r"model.layers.0.self_attn.k_proj lacks weight_zero_point required by format pack-quantized"):
+    with pytest.raises(
+        AscqError,
+        match=r"model.layers.0.self_attn.k_proj lacks weight_zero_point required by format pack-quantized",
+    ):
         verify_entry(entry)
 
 
@@ -75,7 +80,9 @@ def test_quantized_module_in_the_ignore_list_is_named(zoo: Path) -> None:
     config["quantization_config"]["ignore"] = ["lm_head", "re:.*layers.1.mlp.down_proj$"]
     (entry / "config.json").write_text(json.dumps(config))
     write_manifest(entry, read_manifest(entry))
-    with pytest.raises(AscqError, match="model.layers.1.mlp.down_proj is in the ignore list but is stored quantized"):
+    with pytest.raises(
+        AscqError, match="model.layers.1.mlp.down_proj is in the ignore list but is stored quantized"
+    ):
         verify_entry(entry)
 
 
@@ -102,14 +109,24 @@ def test_broken_config_and_tokenizer_are_named(zoo: Path) -> None:
 def test_show_prints_provenance_metrics_and_files(zoo: Path, capsys: pytest.CaptureFixture) -> None:
     assert run("zoo", "show", "tiny-test-llama-w4a16") == 0
     out = capsys.readouterr().out
-    for text in ("test-org/tiny-test-llama", "w4a16-rtn", "compressed-tensors", "perplexity 310.75", "model-00001-of-00002.safetensors"):
+    for text in (
+        "test-org/tiny-test-llama",
+        "w4a16-rtn",
+        "compressed-tensors",
+        "perplexity 310.75",
+        "model-00001-of-00002.safetensors",
+    ):
         assert text in out
 
 
 @pytest.mark.slow  # converts both fixtures (cached for the session, shared with test_convert)
-def test_fixtures_and_converted_fixtures_verify(tiny_llama_dir: Path, tiny_deepseek_moe_dir: Path, converted_entry) -> None:
+def test_fixtures_and_converted_fixtures_verify(
+    tiny_llama_dir: Path, tiny_deepseek_moe_dir: Path, converted_entry
+) -> None:
     assert verify_entry(tiny_llama_dir)[-1].endswith("(format hf)")
     assert verify_entry(tiny_deepseek_moe_dir)[-1].endswith("(format hf)")
     assert "format pack-quantized" in verify_entry(converted_entry(tiny_llama_dir, ("w4a16-rtn",)))[-1]
-    moe = verify_entry(converted_entry(tiny_deepseek_moe_dir, ("w8a8", "fp8-kv")))  # router ignored, k/v scales
+    moe = verify_entry(
+        converted_entry(tiny_deepseek_moe_dir, ("w8a8", "fp8-kv"))
+    )  # router ignored, k/v scales
     assert "format int-quantized" in moe[-1] and "model_type deepseek" in moe[1]

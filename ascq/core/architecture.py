@@ -1,5 +1,5 @@
-"""The architecture facts every layer reads from a config.json: the supported families, the attention head size,
-which modules are never quantized, and how tensor / pipeline parallelism cut each weight."""
+"""The architecture facts every layer reads from a config.json: the supported families, the attention head
+size, which modules are never quantized, and how tensor / pipeline parallelism cut each weight."""
 
 from __future__ import annotations
 
@@ -15,28 +15,37 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 # The `ignore` default of every recipe that names none (llm-compressor's): the LM head and the MoE router
 # (`mlp.gate`, whose logits pick the experts) stay full precision in every family.
 DEFAULT_IGNORE = ("lm_head", "re:.*mlp\\.gate$")
-# Never quantized whatever a recipe says, and always written to a checkpoint's `ignore`, so that a loader which
-# quantizes every matching module (transformers, vLLM) keeps them full precision too: with tied embeddings the
-# checkpoint has no lm_head tensor, and an `ignore` without it made transformers quantize the head.
+# Never quantized whatever a recipe says, and always written to a checkpoint's `ignore`, so that a loader
+# which quantizes every matching module (transformers, vLLM) keeps them full precision too: with tied
+# embeddings the checkpoint has no lm_head tensor, and an `ignore` without it made transformers quantize the
+# head.
 NEVER_QUANTIZED = ("lm_head", "model.embed_tokens", "re:.*mlp\\.gate$")
 
-# Tensor parallelism (Megatron's split, as vLLM): column-parallel linears split their outputs, row-parallel ones
-# their inputs; everything else is replicated, except the embedding and LM head (split over the vocabulary).
+# Tensor parallelism (Megatron's split, as vLLM): column-parallel linears split their outputs, row-parallel
+# ones their inputs; everything else is replicated, except the embedding and LM head (split over the
+# vocabulary).
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def head_dim_of(config: dict[str, Any]) -> int:
-    """The attention head size: the config's `head_dim`, else hidden_size / num_attention_heads (the one rule)."""
+    """The attention head size: the config's `head_dim`, else hidden_size / num_attention_heads (the one
+    rule)."""
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
 def check_llama_config(config: dict[str, Any]) -> None:
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
-    if config.get("sliding_window") and config.get("use_sliding_window", True) and config.get("model_type") == "mistral":
+    if (
+        config.get("sliding_window")
+        and config.get("use_sliding_window", True)
+        and config.get("model_type") == "mistral"
+    ):
         if config["sliding_window"] < config.get("max_position_embeddings", 0):
-            raise UnsupportedError("sliding-window attention is not supported; set max_model_len <= sliding_window")
+            raise UnsupportedError(
+                "sliding-window attention is not supported; set max_model_len <= sliding_window"
+            )
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -50,7 +59,9 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     if tp_size <= num_kv_heads:
         return divide(num_kv_heads, tp_size)
     if tp_size % num_kv_heads:
-        raise AscqError(f"tensor-parallel size {tp_size} must be a multiple of num_key_value_heads {num_kv_heads}")
+        raise AscqError(
+            f"tensor-parallel size {tp_size} must be a multiple of num_key_value_heads {num_kv_heads}"
+        )
     return 1
 
 

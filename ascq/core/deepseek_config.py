@@ -44,24 +44,41 @@ class DeepseekConfig:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
-            raise AscqError("deepseek config: hidden_size must divide by num_attention_heads, and those by num_key_value_heads")
+            raise AscqError(
+                "deepseek config: hidden_size must divide by num_attention_heads, and those by "
+                "num_key_value_heads"
+            )
         if self.hidden_act != "silu":
-            raise UnsupportedError(f"deepseek config: hidden_act {self.hidden_act!r} is not supported (only silu)")
+            raise UnsupportedError(
+                f"deepseek config: hidden_act {self.hidden_act!r} is not supported (only silu)"
+            )
         if self.scoring_func != "softmax":
-            raise UnsupportedError(f"deepseek config: scoring_func {self.scoring_func!r} is not supported (only softmax)")
-        if self.rope_scaling is not None and self.rope_scaling.get("type", self.rope_scaling.get("rope_type")) != "linear":
-            raise UnsupportedError(f"deepseek config: rope_scaling {self.rope_scaling} is not supported (None or linear)")
+            raise UnsupportedError(
+                f"deepseek config: scoring_func {self.scoring_func!r} is not supported (only softmax)"
+            )
+        if (
+            self.rope_scaling is not None
+            and self.rope_scaling.get("type", self.rope_scaling.get("rope_type")) != "linear"
+        ):
+            raise UnsupportedError(
+                f"deepseek config: rope_scaling {self.rope_scaling} is not supported (None or linear)"
+            )
         if self.n_routed_experts and not 0 < (self.num_experts_per_tok or 0) <= self.n_routed_experts:
             raise AscqError("deepseek config: num_experts_per_tok must be in 1..n_routed_experts")
         if self.moe_layer_freq < 1:
             raise AscqError("deepseek config: moe_layer_freq must be >= 1")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return bool(self.n_routed_experts) and layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+        return (
+            bool(self.n_routed_experts)
+            and layer_idx >= self.first_k_dense_replace
+            and layer_idx % self.moe_layer_freq == 0
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DeepseekConfig:
-        """Build from a config.json dict; keys this model does not use (auto_map, torch_dtype, ...) are ignored."""
+        """Build from a config.json dict; keys this model does not use (auto_map, torch_dtype, ...) are
+        ignored."""
         if d.get("model_type", "deepseek") != "deepseek":
             raise UnsupportedError(f"expected model_type 'deepseek', got {d.get('model_type')!r}")
         names = {f.name for f in dataclasses.fields(cls)}

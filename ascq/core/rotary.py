@@ -1,7 +1,7 @@
 """Rotary position embedding (neox / rotate-half layout) with the config's rope scaling.
 
-Inverse frequencies of scaled variants (linear, llama3, yarn, ...) come from transformers' ROPE_INIT_FUNCTIONS;
-cos/sin are precomputed in fp32 for every position up to max_position_embeddings.
+Inverse frequencies of scaled variants (linear, llama3, yarn, ...) come from transformers'
+ROPE_INIT_FUNCTIONS; cos/sin are precomputed in fp32 for every position up to max_position_embeddings.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ def rope_inv_freq(config: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, 
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     theta = float(scaling.get("rope_theta", config.get("rope_theta", 10000.0)))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedError(f"rope scaling {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise UnsupportedError(
+            f"rope scaling {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if rope_type == "default":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
         return 1.0 / (theta**exponents), 1.0
@@ -57,7 +59,8 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([-x2, x1], dim=-1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] of the positions, in `dtype`: gathered once per step and shared by every layer."""
+        """cos, sin [T, 1, D] of the positions, in `dtype`: gathered once per step and shared by every
+        layer."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
     @classmethod
@@ -66,7 +69,9 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin
         return x * cos + cls._rotate_half(x) * sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D] rotated by their token positions [T]."""
         cos_sin = self.cos_sin(positions, q.dtype)
         return self.rotate(q, cos_sin), self.rotate(k, cos_sin)

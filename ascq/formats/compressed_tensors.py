@@ -3,16 +3,16 @@
 - `compress_linear`: a quantized linear -> its on-disk tensors, through the pinned library's own compressor
   (`int-quantized`: int8 `weight`; `pack-quantized`: `weight_packed` int32 + `weight_shape`, asymmetric zero
   points packed along the output dim; `naive-quantized` for float zero points (`zp_dtype` a float dtype): int8
-  `weight` holding the int4 values, `weight_zero_point` in `zp_dtype`, because pack-quantized packs zero points
-  into int32 and so holds integers only. transformers loads it (compressed-tensors decompresses it); vLLM's
-  compressed-tensors int4 path reads pack-quantized only.)
+  `weight` holding the int4 values, `weight_zero_point` in `zp_dtype`, because pack-quantized packs zero
+  points into int32 and so holds integers only. transformers loads it (compressed-tensors decompresses it);
+  vLLM's compressed-tensors int4 path reads pack-quantized only.)
 - `decompress_linear`: the on-disk tensors -> the signed-int convention of docs/ARCHITECTURE.md
   (`weight` int8 values, `weight_scale`, `zero_point` int8 or absent, `input_scale`, `bias` as stored).
 - `scheme_name`: the kernels' name for a config group's weights + activations (w8a8_dynamic, w4a16, ...).
-- `match_scheme`: which config group a module gets (the library's matcher: ignore first, then the most specific
-  target: exact name, regex, class name), as transformers and vLLM pick it.
-- `linear_tensor_specs` / `linear_bytes`: the tensor names, safetensors dtypes and shapes a linear is stored as
-  (what `zoo verify` checks, what the planner counts).
+- `match_scheme`: which config group a module gets (the library's matcher: ignore first, then the most
+  specific target: exact name, regex, class name), as transformers and vLLM pick it.
+- `linear_tensor_specs` / `linear_bytes`: the tensor names, safetensors dtypes and shapes a linear is stored
+  as (what `zoo verify` checks, what the planner counts).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def compression_format(weights: QuantizationArgs, input_activations: Quantizatio
 
 
 def scheme_name(weights: QuantizationArgs, input_activations: QuantizationArgs | None) -> str:
-    """ascq's scheme name (docs/ARCHITECTURE.md) for int weights + activations: w{4,8}a16, w{4,8}a8_{dynamic,static}."""
+    """ascq's scheme name (docs/ARCHITECTURE.md) for int weights + activations: w{4,8}a16,
+    w{4,8}a8_{dynamic,static}."""
     if input_activations is None:
         return f"w{weights.num_bits}a16"
     return f"w{weights.num_bits}a8_{'dynamic' if input_activations.dynamic else 'static'}"
@@ -75,7 +76,8 @@ def is_ignored(name: str, ignore: list[str], module: nn.Module = LINEAR) -> bool
 
 
 def required_params(scheme: QuantizationScheme, fmt: str) -> set[str]:
-    """The tensor names a quantized linear of `scheme` must have in format `fmt` (the library's compressor's)."""
+    """The tensor names a quantized linear of `scheme` must have in format `fmt` (the library's
+    compressor's)."""
     required = set(BaseCompressor.load_from_registry(fmt).compression_param_names(scheme))
     if scheme.input_activations is not None and not scheme.input_activations.dynamic:
         required.add("input_scale")
@@ -83,13 +85,18 @@ def required_params(scheme: QuantizationScheme, fmt: str) -> set[str]:
 
 
 def compress_linear(
-    weights: QuantizationArgs, input_activations: QuantizationArgs | None, ql: QuantizedLinear,
+    weights: QuantizationArgs,
+    input_activations: QuantizationArgs | None,
+    ql: QuantizedLinear,
     bias: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The on-disk tensors of one linear (local names), as the library's compressor writes them."""
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=input_activations)
     compressor = BaseCompressor.get_value_from_registry(compression_format(weights, input_activations))
-    state = {"weight": qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, weights), "weight_scale": ql.scale}
+    state = {
+        "weight": qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, weights),
+        "weight_scale": ql.scale,
+    }
     if ql.zero_point is not None:
         state["weight_zero_point"] = ql.zero_point
     out = dict(compressor.compress(state, scheme))
@@ -110,8 +117,8 @@ def is_quantized(params: Iterable[str]) -> bool:
 def decompress_linear(tensors: dict[str, torch.Tensor], num_bits: int) -> dict[str, torch.Tensor]:
     """A quantized linear's stored tensors (local names) in the signed-int convention.
 
-    Returns `weight` (int8 values [out, in]), `weight_scale`, `zero_point` (the scale's shape; int8, or the stored
-    float dtype for float zero points; only when asymmetric) and every other tensor (`input_scale`,
+    Returns `weight` (int8 values [out, in]), `weight_scale`, `zero_point` (the scale's shape; int8, or the
+    stored float dtype for float zero points; only when asymmetric) and every other tensor (`input_scale`,
     `input_zero_point`, `bias`) unchanged.
     """
     rest = dict(tensors)
@@ -142,10 +149,14 @@ def quantized_linear(tensors: dict[str, torch.Tensor], num_bits: int) -> Quantiz
 
 
 def linear_tensor_specs(
-    weights: QuantizationArgs, input_activations: QuantizationArgs | None, out_features: int, in_features: int,
+    weights: QuantizationArgs,
+    input_activations: QuantizationArgs | None,
+    out_features: int,
+    in_features: int,
     scale_dtype: str = "BF16",
 ) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Local name -> (safetensors dtype, shape) of every tensor a quantized linear is stored as (bias excluded)."""
+    """Local name -> (safetensors dtype, shape) of every tensor a quantized linear is stored as (bias
+    excluded)."""
     fmt = compression_format(weights, input_activations)
     bits = weights.num_bits
     if weights.strategy == "group":
@@ -175,7 +186,10 @@ DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "I8": 1}
 
 
 def linear_bytes(
-    weights: QuantizationArgs, input_activations: QuantizationArgs | None, out_features: int, in_features: int,
+    weights: QuantizationArgs,
+    input_activations: QuantizationArgs | None,
+    out_features: int,
+    in_features: int,
     scale_dtype: str = "BF16",
 ) -> int:
     """Payload bytes of one quantized linear as stored (safetensors headers not counted)."""
@@ -186,8 +200,8 @@ def linear_bytes(
 def stored_shape(
     params: dict[str, tuple[str, tuple[int, ...]]], read: Callable[[str], torch.Tensor]
 ) -> tuple[int, int]:
-    """(out, in) of a stored quantized linear from its tensor infos; `read(local name)` reads `weight_shape` when
-    the weight is packed."""
+    """(out, in) of a stored quantized linear from its tensor infos; `read(local name)` reads `weight_shape`
+    when the weight is packed."""
     if "weight_shape" in params:
         out_features, in_features = (int(v) for v in read("weight_shape").tolist())
         return out_features, in_features

@@ -57,10 +57,11 @@ def file_records(entry_dir: Path) -> dict[str, dict[str, Any]]:
 def new_manifest(name: str, **fields: Any) -> dict[str, Any]:
     """A manifest dict with the standard keys; `fields` fills or overrides them.
 
-    Standard keys: name, source ({"model", "revision"}), base_model, license, format ("hf", "compressed-tensors",
-    "msmodelslim"), scheme, recipe ({"names", "text"} or None), calibration ({"dataset", "num_samples", "seq_len"}
-    or None), metrics ({"perplexity", "perplexity_base", "unigram_perplexity", "eval_text", "num_eval_tokens"}),
-    conversion ({"seconds", "peak_rss_bytes"}), files (filled by `write_manifest`).
+    Standard keys: name, source ({"model", "revision"}), base_model, license, format ("hf",
+    "compressed-tensors", "msmodelslim"), scheme, recipe ({"names", "text"} or None), calibration ({"dataset",
+    "num_samples", "seq_len"} or None), metrics ({"perplexity", "perplexity_base", "unigram_perplexity",
+    "eval_text", "num_eval_tokens"}), conversion ({"seconds", "peak_rss_bytes"}), files (filled by
+    `write_manifest`).
     """
     from ascq.core.version import __version__
 
@@ -111,7 +112,9 @@ def verify_files(entry_dir: Path, manifest: dict[str, Any] | None = None) -> Non
         if not path.is_file():
             raise AscqError(f"{entry_dir.name}: file {rel} is listed in the manifest but missing")
         if path.stat().st_size != record["size"]:
-            raise AscqError(f"{entry_dir.name}: file {rel} has size {path.stat().st_size}, manifest says {record['size']}")
+            raise AscqError(
+                f"{entry_dir.name}: file {rel} has size {path.stat().st_size}, manifest says {record['size']}"
+            )
         if sha256_file(path) != record["sha256"]:
             raise AscqError(f"{entry_dir.name}: file {rel} has a different sha256 than the manifest")
     extra = sorted(set(list_entry_files(entry_dir)) - set(expected))
@@ -130,22 +133,30 @@ def resolve_entry(name_or_path: str | os.PathLike) -> Path:
     raise AscqError(f"no zoo entry '{name_or_path}': not a folder, and not in the zoo at {zoo_root()}")
 
 
-STAGING_TAGS = ("staging", "old")  # `.NAME.staging-PID-xxxx` (being written), `.NAME.old-PID-xxxx` (being replaced)
+STAGING_TAGS = (
+    "staging",
+    "old",
+)  # `.NAME.staging-PID-xxxx` (being written), `.NAME.old-PID-xxxx` (being replaced)
 
 
 def check_output(target: Path, sources: list[Path], overwrite: bool) -> None:
     """Refuse an output folder that would destroy a user's data, before any work is done.
 
-    Never a source folder, one that contains a source or one inside a source (even with --overwrite); an existing
-    path only with --overwrite, and then only a zoo entry (a folder with ascq.json) or an empty folder.
+    Never a source folder, one that contains a source or one inside a source (even with --overwrite); an
+    existing path only with --overwrite, and then only a zoo entry (a folder with ascq.json) or an empty
+    folder.
     """
     resolved = Path(target).resolve()
     for source in sources:
         source = Path(source).resolve()
         if resolved == source or resolved in source.parents:
-            raise AscqError(f"--out {target} is the source model folder or contains it; choose another folder")
+            raise AscqError(
+                f"--out {target} is the source model folder or contains it; choose another folder"
+            )
         if source in resolved.parents:
-            raise AscqError(f"--out {target} is inside the source model folder {source.name}; choose another folder")
+            raise AscqError(
+                f"--out {target} is inside the source model folder {source.name}; choose another folder"
+            )
     if not os.path.lexists(target):
         return
     if not overwrite:
@@ -153,7 +164,9 @@ def check_output(target: Path, sources: list[Path], overwrite: bool) -> None:
     if not Path(target).is_dir() or Path(target).is_symlink():
         raise AscqError(f"{target} exists and is not a folder; refusing to replace it")
     if not (Path(target) / MANIFEST_NAME).is_file() and any(Path(target).iterdir()):
-        raise AscqError(f"{target} is not a zoo entry (no {MANIFEST_NAME}); refusing to replace it, even with --overwrite")
+        raise AscqError(
+            f"{target} is not a zoo entry (no {MANIFEST_NAME}); refusing to replace it, even with --overwrite"
+        )
 
 
 class Terminated(BaseException):
@@ -194,15 +207,17 @@ def resolve_local_model(name_or_path: str | os.PathLike) -> Path:
     if (zoo_root() / text).is_dir():
         return zoo_root() / text
     if text.count("/") == 1 and not text.startswith((".", "/", "~")):
-        raise AscqError(f"{text} is not a local folder or zoo entry; if it is a Hub repo, fetch it first: "
-                        f"ascq zoo pull {text} (an ascq entry) or `hf download {text} --local-dir DIR`")
+        raise AscqError(
+            f"{text} is not a local folder or zoo entry; if it is a Hub repo, fetch it first: "
+            f"ascq zoo pull {text} (an ascq entry) or `hf download {text} --local-dir DIR`"
+        )
     raise AscqError(f"model {text} not found: not a folder, and not an entry in the zoo at {zoo_root()}")
 
 
 @contextlib.contextmanager
 def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a staging folder beside `target`; on success it replaces `target` atomically, on error (Ctrl-C and
-    SIGTERM included) it is deleted. A staging folder that a killed process left behind is removed first.
+    """Yield a staging folder beside `target`; on success it replaces `target` atomically, on error (Ctrl-C
+    and SIGTERM included) it is deleted. A staging folder that a killed process left behind is removed first.
 
     The caller writes every file, then calls `write_manifest` on the staging folder, inside the block.
     """
@@ -213,7 +228,9 @@ def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(target.parent, target.name)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-{os.getpid()}-", dir=target.parent))
-        os.chmod(staging, 0o777 & ~_current_umask())  # mkdtemp makes 0700; an entry gets normal folder permissions
+        os.chmod(
+            staging, 0o777 & ~_current_umask()
+        )  # mkdtemp makes 0700; an entry gets normal folder permissions
     except OSError as exc:
         raise AscqError(f"cannot write to {target.parent}: {exc.strerror or exc}") from None
     try:
@@ -229,7 +246,8 @@ def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
 
 
 def stale_staging(folder: Path, name: str | None = None) -> list[Path]:
-    """Staging / replaced-entry folders in `folder` (for entry `name`, or any) whose writing process is gone."""
+    """Staging / replaced-entry folders in `folder` (for entry `name`, or any) whose writing process is
+    gone."""
     found = []
     for tag in STAGING_TAGS:
         for path in sorted(Path(folder).glob(f".{name or '*'}.{tag}-*")):
@@ -274,8 +292,9 @@ def _normal_permissions(folder: Path) -> None:
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
-    """Rename `staging` to `target`; an existing `target` is swapped out in one atomic exchange where the kernel
-    offers it (Linux renameat2), else by two renames (the old entry stays intact until the new one is in place)."""
+    """Rename `staging` to `target`; an existing `target` is swapped out in one atomic exchange where the
+    kernel offers it (Linux renameat2), else by two renames (the old entry stays intact until the new one is
+    in place)."""
     if not os.path.lexists(target):
         os.rename(staging, target)
         return
@@ -300,25 +319,36 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def group_size_fit_text(fit: dict[str, Any]) -> str:
-    """What a config group's group size became and why, and why its zero points are floats if they are, from its
-    manifest record (`GroupSizeFit.record`): the one text the convert log, the convert summary and the model card
-    show."""
+    """What a config group's group size became and why, and why its zero points are floats if they are, from
+    its manifest record (`GroupSizeFit.record`): the one text the convert log, the convert summary and the
+    model card show."""
     texts = [zero_point_text(fit)] if fit.get("zp_dtype") else []
     if fit["group_size"] == fit["recipe_group_size"]:  # recorded for its zero points only
         return "; ".join(texts)
     if fit.get("source_block_size") and fit["group_size"] == fit["source_block_size"]:
-        why = (f"the source checkpoint was quantized in GGUF blocks of {fit['source_block_size']} columns, which "
-               "4-bit groups spanning two blocks cannot represent")
+        why = (
+            f"the source checkpoint was quantized in GGUF blocks of {fit['source_block_size']} columns, "
+            f"which "
+            "4-bit groups spanning two blocks cannot represent"
+        )
     else:
         why = f"it does not divide every input width ({', '.join(map(str, fit['in_features']))})"
-    result = f"group size {fit['group_size']}" if fit["group_size"] else "per-channel where it does not divide"
+    result = (
+        f"group size {fit['group_size']}" if fit["group_size"] else "per-channel where it does not divide"
+    )
     return "; ".join([f"{result} instead of the recipe's {fit['recipe_group_size']}: {why}", *texts])
 
 
 def zero_point_text(fit: dict[str, Any]) -> str:
     """Why a config group's zero points are floats (`zp_dtype`) and who can load them, from its fit record."""
-    why = (f"the source's GGUF blocks of {fit['source_block_size']} columns each have a float minimum, which an "
-           "integer zero point cannot represent" if fit.get("zp_dtype_from") == "source" else "the recipe's zp_dtype")
-    return (f"{fit['zp_dtype']} zero points ({why}); stored unpacked (compressed-tensors naive-quantized, int8 "
-            "weights): transformers and ascq load it, vLLM's int4 kernels cannot (set zp_dtype: int for a "
-            "pack-quantized checkpoint they can)")
+    why = (
+        f"the source's GGUF blocks of {fit['source_block_size']} columns each have a float minimum, which an "
+        "integer zero point cannot represent"
+        if fit.get("zp_dtype_from") == "source"
+        else "the recipe's zp_dtype"
+    )
+    return (
+        f"{fit['zp_dtype']} zero points ({why}); stored unpacked (compressed-tensors naive-quantized, int8 "
+        "weights): transformers and ascq load it, vLLM's int4 kernels cannot (set zp_dtype: int for a "
+        "pack-quantized checkpoint they can)"
+    )

@@ -3,8 +3,8 @@
 A checkpoint folder is read through its shard index (`*.safetensors.index.json`) when it has one, else
 `model.safetensors`, else every `*.safetensors` file. Every shard's header is checked against its file size up
 front, so a truncated or corrupted shard is an `AscqError` before any work starts (reading past the end of a
-memory-mapped file would crash the process); a tensor stored twice, or an index that disagrees with the shards, is
-named too.
+memory-mapped file would crash the process); a tensor stored twice, or an index that disagrees with the
+shards, is named too.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def _read_header(path: Path) -> dict[str, dict]:
         header.pop("__metadata__", None)
         data_end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
     except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise AscqError(f"{path.name} is not a valid safetensors file ({exc}); the checkpoint is corrupted") from None
+        raise AscqError(
+            f"{path.name} is not a valid safetensors file ({exc}); the checkpoint is corrupted"
+        ) from None
     if 8 + header_len + data_end != size:
         raise AscqError(
             f"{path.name} is truncated or corrupted: its header describes {8 + header_len + data_end} bytes, "
@@ -56,8 +58,8 @@ class CheckpointReader:
     """Tensor name -> shard map of a safetensors checkpoint folder; `get` reads one tensor.
 
     Outside `opened()` each tensor is read through its own short-lived mapping, so at most one source tensor's
-    pages are resident next to the converted copies; inside it every shard stays open (a linear's tensors may sit
-    in different shards).
+    pages are resident next to the converted copies; inside it every shard stays open (a linear's tensors may
+    sit in different shards).
     """
 
     def __init__(self, model_dir: Path) -> None:
@@ -71,8 +73,10 @@ class CheckpointReader:
         else:
             files = sorted(p.name for p in self.model_dir.glob("*.safetensors"))
         if not files:
-            raise AscqError(f"{self.model_dir}: model.safetensors is missing (no *.safetensors files nor a shard index; "
-                            "only safetensors checkpoints are read)")
+            raise AscqError(
+                f"{self.model_dir}: model.safetensors is missing (no *.safetensors files nor a shard index; "
+                "only safetensors checkpoints are read)"
+            )
         self.file_of: dict[str, str] = {}
         self.headers: dict[str, dict] = {}
         for name in files:
@@ -82,7 +86,9 @@ class CheckpointReader:
             header = _read_header(path)
             for tensor, info in header.items():
                 if tensor in self.file_of:
-                    raise AscqError(f"{self.model_dir.name}: tensor {tensor} is in both {self.file_of[tensor]} and {name}")
+                    raise AscqError(
+                        f"{self.model_dir.name}: tensor {tensor} is in both {self.file_of[tensor]} and {name}"
+                    )
                 self.file_of[tensor] = name
                 self.headers[tensor] = info
         if weight_map is not None:
@@ -102,8 +108,10 @@ class CheckpointReader:
     def _check_index(self, weight_map: dict[str, str]) -> None:
         for name in sorted(set(weight_map) | set(self.file_of)):
             if weight_map.get(name) != self.file_of.get(name):
-                raise AscqError(f"{self.model_dir.name}: {self.index_path.name} maps {name} to {weight_map.get(name)}, "
-                                f"but it is in {self.file_of.get(name)}")
+                raise AscqError(
+                    f"{self.model_dir.name}: {self.index_path.name} maps {name} to {weight_map.get(name)}, "
+                    f"but it is in {self.file_of.get(name)}"
+                )
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
@@ -143,7 +151,7 @@ class CheckpointReader:
         for name in self.file_of:
             if name.startswith(prefix) and not name.endswith("rotary_emb.inv_freq"):
                 tensor = self.get(name)
-                state[name[len(prefix):]] = tensor.to(dtype) if dtype is not None else tensor
+                state[name[len(prefix) :]] = tensor.to(dtype) if dtype is not None else tensor
         return state
 
     def dtype(self) -> torch.dtype:

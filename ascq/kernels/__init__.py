@@ -28,19 +28,22 @@ from ascq.platforms import platform_for
 
 SCHEMES = ("dense", "w8a8_dynamic", "w8a8_static", "w4a16", "w8a16", "w4a8_dynamic")
 WEIGHT_BITS = {"w8a8_dynamic": 8, "w8a8_static": 8, "w4a16": 4, "w8a16": 8, "w4a8_dynamic": 4}
-FLOAT_ZERO_POINT_SCHEMES = ("w4a16", "w8a16")  # weight-only: every backend dequantizes (q - zero) * scale in float
+FLOAT_ZERO_POINT_SCHEMES = (
+    "w4a16",
+    "w8a16",
+)  # weight-only: every backend dequantizes (q - zero) * scale in float
 
 
 @dataclass
 class QuantLinearWeights:
     """One linear layer's weights in the project's quantized convention (docs/ARCHITECTURE.md).
 
-    dense: `weight` is float [out, in]. Quantized: `weight` holds signed integer values [out, in] (int8 tensor;
-    int4 values in [-8, 7]), `weight_scale` is [out, 1] (per channel) or [out, in // group_size] (per group),
-    `zero_point` the same shape (signed int8, or float for weight-only schemes: zp_dtype) or None (symmetric);
-    w = (q - zero_point) * scale.
-    w8a8_static: `input_scale` (one value) and optional `input_zero_point` quantize activations to int8 as
-    clamp(round(x / input_scale) + input_zero_point). Activations of `*_dynamic` are int8 per token, symmetric.
+    dense: `weight` is float [out, in]. Quantized: `weight` holds signed integer values [out, in] (int8
+    tensor; int4 values in [-8, 7]), `weight_scale` is [out, 1] (per channel) or [out, in // group_size] (per
+    group), `zero_point` the same shape (signed int8, or float for weight-only schemes: zp_dtype) or None
+    (symmetric); w = (q - zero_point) * scale. w8a8_static: `input_scale` (one value) and optional
+    `input_zero_point` quantize activations to int8 as clamp(round(x / input_scale) + input_zero_point).
+    Activations of `*_dynamic` are int8 per token, symmetric.
     """
 
     scheme: str
@@ -88,14 +91,17 @@ class QuantLinearWeights:
             num_groups = in_features // self.group_size
         if tuple(self.weight_scale.shape) != (out_features, num_groups):
             raise AscqError(
-                f"weight_scale shape {tuple(self.weight_scale.shape)} != expected {(out_features, num_groups)}"
+                f"weight_scale shape {tuple(self.weight_scale.shape)} != expected "
+                f"{(out_features, num_groups)}"
             )
         zero = self.zero_point
         if zero is not None and zero.shape != self.weight_scale.shape:
             raise AscqError(f"zero_point shape {tuple(zero.shape)} != weight_scale shape")
         if zero is not None and zero.is_floating_point() and self.scheme not in FLOAT_ZERO_POINT_SCHEMES:
-            raise UnsupportedError(f"{self.scheme}: float weight zero points are supported for "
-                                   f"{' and '.join(FLOAT_ZERO_POINT_SCHEMES)} only (integer activations need integer ones)")
+            raise UnsupportedError(
+                f"{self.scheme}: float weight zero points are supported for "
+                f"{' and '.join(FLOAT_ZERO_POINT_SCHEMES)} only (integer activations need integer ones)"
+            )
         if self.scheme == "w8a8_static" and (self.input_scale is None or self.input_scale.numel() != 1):
             raise AscqError("w8a8_static needs a single-valued input_scale")
         if self.input_zero_point is not None and self.scheme != "w8a8_static":
@@ -151,9 +157,11 @@ def merge_output_dim(parts: list[QuantLinearWeights]) -> QuantLinearWeights:
     )
 
 
-def linear_over_rows(linear_rows: Callable[[torch.Tensor, Any], torch.Tensor], x: torch.Tensor, prepared: Any) -> torch.Tensor:
-    """A backend's `linear` from its 2-D one: `linear_rows(rows [N, in], prepared) -> [N, out]` applied to x [..., in],
-    the result in x.dtype; no kernel sees N = 0. `prepared` must have `out_features`."""
+def linear_over_rows(
+    linear_rows: Callable[[torch.Tensor, Any], torch.Tensor], x: torch.Tensor, prepared: Any
+) -> torch.Tensor:
+    """A backend's `linear` from its 2-D one: `linear_rows(rows [N, in], prepared) -> [N, out]` applied to x
+    [..., in], the result in x.dtype; no kernel sees N = 0. `prepared` must have `out_features`."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], prepared.out_features)

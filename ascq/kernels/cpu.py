@@ -1,34 +1,37 @@
-"""CPU backend: the fastest measured path per scheme and batch size M (AVX2 + FMA hosts; AMX hosts: see the end).
+"""CPU backend: the fastest measured path per scheme and batch size M (AVX2 + FMA hosts; AMX hosts: see the
+end).
 
 Paths (thresholds from `python benchmarks/kernel_speed.py`; measurements in docs/benchmarks.md):
-- `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2): below DENSE_BF16_MAX_M rows ascq's
-  native bf16 kernel (bf16_mm.c: each weight row read once for all rows, several times torch at small M), from
-  there the bf16 weight is copied into an fp32 workspace and multiplied in fp32 (the crossover measured on
-  SmolLM2's layers). The LM head (vocab x hidden, so the per-call copy is large) uses the native kernel below
-  LM_HEAD_BF16_MAX_M rows, where it beats both the copy + fp32 GEMM and torch's bf16 GEMVs.
+- `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2): below DENSE_BF16_MAX_M rows
+  ascq's native bf16 kernel (bf16_mm.c: each weight row read once for all rows, several times torch at small
+  M), from there the bf16 weight is copied into an fp32 workspace and multiplied in fp32 (the crossover
+  measured on SmolLM2's layers). The LM head (vocab x hidden, so the per-call copy is large) uses the native
+  kernel below LM_HEAD_BF16_MAX_M rows, where it beats both the copy + fp32 GEMM and torch's bf16 GEMVs.
 - `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
-  replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as per-token
-  16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, faster than torch's int4pack at M=1; from there
-  dequantize + fp32 GEMM from the packed copy (the only copy kept). Used when the kernel builds here (a C compiler, x86-64 with
-  AVX2/FMA), else int4pack / int8pack:
-- `int4pack` (w4a16, out % 16 == 0, group 32/64/128/256, or per channel with in % 32 == 0 via replicated scales):
-  aten._weight_int4pack_mm_for_cpu with bf16 activations below INT4PACK_MAX_M; from there dequantize + fp32 GEMM
-  is faster, unpacking the int4pack copy itself (its layout is checked per layer at load; only if
+  replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as
+  per-token 16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, faster than torch's int4pack at M=1;
+  from there dequantize + fp32 GEMM from the packed copy (the only copy kept). Used when the kernel builds
+  here (a C compiler, x86-64 with AVX2/FMA), else int4pack / int8pack:
+- `int4pack` (w4a16, out % 16 == 0, group 32/64/128/256, or per channel with in % 32 == 0 via replicated
+  scales): aten._weight_int4pack_mm_for_cpu with bf16 activations below INT4PACK_MAX_M; from there dequantize
+  + fp32 GEMM is faster, unpacking the int4pack copy itself (its layout is checked per layer at load; only if
   it differs are the int8 values kept as well).
-- `int8pack` (w8a16 per-channel symmetric): aten._weight_int8pack_mm with bf16 activations below INT8PACK_MAX_M.
-- `fbgemm` (w8a8 static/dynamic, w4a8 dynamic, per channel): fbgemm's int8 GEMM with explicit input qparams, exact.
-  AVX2 multiplies u8 x s8 pairs into saturating int16, so activations must stay within 7 bits: for int8 weights
-  the integer activation v (|v| <= 255) is split as v = 4*h + l (h in [-64, 63], l in [0, 3]) and run as two GEMMs;
-  int4 weights need no split (and win at every M); split int8 runs below FBGEMM_SPLIT_MAX_M. Per-token scales are
-  applied after the GEMM, so a token's result never depends on the rest of the batch.
-- `dequant`: everything else (fp32 activations for weight-only schemes, group sizes the kernels lack) and large M:
-  dequantize into an fp32 workspace and run an fp32 GEMM on the (fake-quantized) activations.
-On hosts with AMX or AVX-512 BF16 (`BF16_GEMM_FAST`) torch's bf16 GEMM is several times its fp32 GEMM, so large products run in bf16
-instead: dense bf16 from DENSE_BF16_MAX_M rows, weight-only from BF16_GEMM_NATIVE_MAX_M rows (dequantized into bf16), the
-LM head from BF16_GEMM_LM_HEAD_MIN_M rows; activations of these schemes are bf16 already, the weights' dequantized values
-are rounded to bf16 (relative error 2^-9).
-The workspaces are module-level buffers (one per dtype) grown to the largest layer: the backend is single-threaded.
-Attention: cpu_attention.py (paged_sdpa's, with decode rows read in place by the native kernel).
+- `int8pack` (w8a16 per-channel symmetric): aten._weight_int8pack_mm with bf16 activations below
+  INT8PACK_MAX_M.
+- `fbgemm` (w8a8 static/dynamic, w4a8 dynamic, per channel): fbgemm's int8 GEMM with explicit input qparams,
+  exact. AVX2 multiplies u8 x s8 pairs into saturating int16, so activations must stay within 7 bits: for int8
+  weights the integer activation v (|v| <= 255) is split as v = 4*h + l (h in [-64, 63], l in [0, 3]) and run
+  as two GEMMs; int4 weights need no split (and win at every M); split int8 runs below FBGEMM_SPLIT_MAX_M.
+  Per-token scales are applied after the GEMM, so a token's result never depends on the rest of the batch.
+- `dequant`: everything else (fp32 activations for weight-only schemes, group sizes the kernels lack) and
+  large M: dequantize into an fp32 workspace and run an fp32 GEMM on the (fake-quantized) activations.
+On hosts with AMX or AVX-512 BF16 (`BF16_GEMM_FAST`) torch's bf16 GEMM is several times its fp32 GEMM, so
+large products run in bf16 instead: dense bf16 from DENSE_BF16_MAX_M rows, weight-only from
+BF16_GEMM_NATIVE_MAX_M rows (dequantized into bf16), the LM head from BF16_GEMM_LM_HEAD_MIN_M rows;
+activations of these schemes are bf16 already, the weights' dequantized values are rounded to bf16 (relative
+error 2^-9). The workspaces are module-level buffers (one per dtype) grown to the largest layer: the backend
+is single-threaded. Attention: cpu_attention.py (paged_sdpa's, with decode rows read in place by the native
+kernel).
 """
 
 from __future__ import annotations
@@ -57,15 +60,16 @@ LM_HEAD_BF16_MAX_M = 128
 INT4PACK_MAX_M = 256
 NATIVE_MAX_M = 512  # the crossover with dequantize + fp32 GEMM on SmolLM2's shapes
 INT8PACK_MAX_M = 64
-# Where torch's bf16 GEMM runs on AMX tiles (`BF16_GEMM_FAST`), large products take it instead of the fp32 GEMM:
-# weight-only: the native kernel below, bf16 dequantization + bf16 GEMM from here (measured on SmolLM2's shapes)
+# Where torch's bf16 GEMM runs on AMX tiles (`BF16_GEMM_FAST`), large products take it instead of the fp32
+# GEMM: weight-only: the native kernel below, bf16 dequantization + bf16 GEMM from here (measured on SmolLM2's
+# shapes)
 BF16_GEMM_NATIVE_MAX_M = 24
 BF16_GEMM_LM_HEAD_MIN_M = 8  # LM head: native bf16 kernel below, torch's bf16 GEMM from here
-# Linears on the bf16 GEMM path keep a bf16 copy of their weight (4x an int4 weight's bytes; dense bf16: a second
-# copy) while the process total stays within ASCQ_BF16_WEIGHT_CACHE_MB, instead of dequantizing (and oneDNN
-# repacking) on every call, a sizeable share of a batched decode step; past it they do that per call. 0 turns the
-# copies off. The kept copy is in oneDNN's blocked layout (packed for ONEDNN_PACK_ROWS rows: identical results,
-# faster than packing per call).
+# Linears on the bf16 GEMM path keep a bf16 copy of their weight (4x an int4 weight's bytes; dense bf16: a
+# second copy) while the process total stays within ASCQ_BF16_WEIGHT_CACHE_MB, instead of dequantizing (and
+# oneDNN repacking) on every call, a sizeable share of a batched decode step; past it they do that per call. 0
+# turns the copies off. The kept copy is in oneDNN's blocked layout (packed for ONEDNN_PACK_ROWS rows:
+# identical results, faster than packing per call).
 ONEDNN_PACK_ROWS = 64
 _bf16_cache_bytes = 0
 FBGEMM_SPLIT_MAX_M = 256
@@ -79,16 +83,18 @@ _workspaces: dict[torch.dtype, torch.Tensor] = {}
 def _workspace(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     buf = _workspaces.get(dtype)
     if buf is None or buf.numel() < rows * cols:
-        with torch.inference_mode(False):  # a normal tensor: the engine runs under inference mode, tests do not
+        with torch.inference_mode(
+            False
+        ):  # a normal tensor: the engine runs under inference mode, tests do not
             buf = _workspaces[dtype] = torch.empty(rows * cols, dtype=dtype)
     return buf[: rows * cols].view(rows, cols)
 
 
 def _detect_bf16_gemm() -> str | None:
-    """Where torch's bf16 GEMM outruns its fp32 GEMM on this CPU, how: oneDNN runs it on AMX tiles ("amx") or with
-    AVX-512 BF16 dot products ("avx512_bf16"), several times its fp32 GEMM either way; None without either (AVX2
-    hosts: bf16 products run as GEMVs, several times slower than fp32). `ASCQ_BF16_GEMM=1|0` (read at import)
-    forces the answer ("amx"'s thresholds when forced on)."""
+    """Where torch's bf16 GEMM outruns its fp32 GEMM on this CPU, how: oneDNN runs it on AMX tiles ("amx") or
+    with AVX-512 BF16 dot products ("avx512_bf16"), several times its fp32 GEMM either way; None without
+    either (AVX2 hosts: bf16 products run as GEMVs, several times slower than fp32). `ASCQ_BF16_GEMM=1|0`
+    (read at import) forces the answer ("amx"'s thresholds when forced on)."""
     forced = envs.ASCQ_BF16_GEMM
     if forced is not None:
         return "amx" if forced else None
@@ -102,8 +108,8 @@ BF16_GEMM_KIND = _detect_bf16_gemm()
 BF16_GEMM_FAST = BF16_GEMM_KIND is not None  # a plain global: compiled decode graphs read it as a constant
 if BF16_GEMM_KIND == "avx512_bf16":  # the packed bf16 GEMM wins from a few rows there (SmolLM2's shapes)
     BF16_GEMM_NATIVE_MAX_M, DENSE_BF16_MAX_M = 3, 4
-# torch's int8 GEMM (`torch._int_mm`, exact int32 sums) on VNNI hosts: several times the fp32 GEMM on SmolLM2's
-# shapes; not measured without VNNI
+# torch's int8 GEMM (`torch._int_mm`, exact int32 sums) on VNNI hosts: several times the fp32 GEMM on
+# SmolLM2's shapes; not measured without VNNI
 INT8_GEMM_FAST = bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
 
 
@@ -137,9 +143,13 @@ class CpuLinear:
     weight: torch.Tensor | None  # dense: float; else int8 [out, in] for the dequant path (None: unused)
     scale: torch.Tensor | None = None  # fp32 [out, groups]
     zero: torch.Tensor | None = None  # fp32 [out, groups]
-    packed: native.PackedWeights | Int4PackWeights | Int8PackWeights | FbgemmWeights | None = None  # the kernel's own copy
+    packed: native.PackedWeights | Int4PackWeights | Int8PackWeights | FbgemmWeights | None = (
+        None  # the kernel's own copy
+    )
     bias: torch.Tensor | None = None  # fp32
-    bf16_weight: torch.Tensor | None = None  # AMX hosts: the bf16 weight kept within ASCQ_BF16_WEIGHT_CACHE_MB
+    bf16_weight: torch.Tensor | None = (
+        None  # AMX hosts: the bf16 weight kept within ASCQ_BF16_WEIGHT_CACHE_MB
+    )
     bf16_prepacked: bool = False  # bf16_weight is in oneDNN's blocked layout (`_onednn_pack`)
 
 
@@ -156,7 +166,9 @@ def native_per_channel_group_size(in_features: int, num_bits: int) -> int | None
     maximum that divides in_features (None: in_features is not a multiple of 32)."""
     if in_features % 32:
         return None
-    return next(g for g in range(min(in_features, native.MAX_GROUP_SIZE[num_bits]), 0, -32) if in_features % g == 0)
+    return next(
+        g for g in range(min(in_features, native.MAX_GROUP_SIZE[num_bits]), 0, -32) if in_features % g == 0
+    )
 
 
 def _native_group_size(w: QuantLinearWeights) -> int | None:
@@ -164,7 +176,11 @@ def _native_group_size(w: QuantLinearWeights) -> int | None:
     if w.in_features % 32:
         return None
     if w.group_size is not None and w.group_size != w.in_features:
-        return w.group_size if w.group_size % 32 == 0 and w.group_size <= native.MAX_GROUP_SIZE[w.num_bits] else None
+        return (
+            w.group_size
+            if w.group_size % 32 == 0 and w.group_size <= native.MAX_GROUP_SIZE[w.num_bits]
+            else None
+        )
     return native_per_channel_group_size(w.in_features, w.num_bits)
 
 
@@ -229,7 +245,9 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
     bias = None if w.bias is None else w.bias.float()
     meta = _metadata_only(w)
     if kernel == "dense":
-        return _with_bf16_copy(CpuLinear(kernel, meta, w.out_features, w.weight.to(dtype).contiguous(), bias=bias))
+        return _with_bf16_copy(
+            CpuLinear(kernel, meta, w.out_features, w.weight.to(dtype).contiguous(), bias=bias)
+        )
     zero = None if w.zero_point is None else w.zero_point.float()
     p = CpuLinear(
         kernel, meta, w.out_features, w.weight.contiguous(), w.weight_scale.float(), zero, bias=bias
@@ -250,8 +268,9 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
 
 
 def _with_bf16_copy(p: CpuLinear) -> CpuLinear:
-    """`p`, with a kept bf16 copy of its weight (`bf16_weight`) made at load where it will take the bf16 GEMM path
-    and the budget (ASCQ_BF16_WEIGHT_CACHE_MB) allows; oneDNN-packed where this torch build can (`_onednn_pack`)."""
+    """`p`, with a kept bf16 copy of its weight (`bf16_weight`) made at load where it will take the bf16 GEMM
+    path and the budget (ASCQ_BF16_WEIGHT_CACHE_MB) allows; oneDNN-packed where this torch build can
+    (`_onednn_pack`)."""
     global _bf16_cache_bytes
     bf16_dense = p.kernel == "dense" and p.weight.dtype == torch.bfloat16
     eligible = bf16_dense or p.kernel in ("native", "int4pack", "int8pack")
@@ -272,9 +291,9 @@ def _with_bf16_copy(p: CpuLinear) -> CpuLinear:
 def _unpack_int4pack_into(p: CpuLinear, buf: torch.Tensor) -> torch.Tensor:
     """The signed int4 values of an int4pack weight, written into `buf` [out, in] (any float dtype)."""
     out_features, in_features = buf.shape
-    packed = p.packed.packed.view(out_features // INT4PACK_BLOCK_N, in_features, INT4PACK_BLOCK_N // 2).transpose(
-        1, 2
-    )
+    packed = p.packed.packed.view(
+        out_features // INT4PACK_BLOCK_N, in_features, INT4PACK_BLOCK_N // 2
+    ).transpose(1, 2)
     blocks = buf.view(out_features // INT4PACK_BLOCK_N, INT4PACK_BLOCK_N, in_features)
     blocks[:, : INT4PACK_BLOCK_N // 2].copy_(packed & 15)
     blocks[:, INT4PACK_BLOCK_N // 2 :].copy_(packed >> 4)
@@ -282,7 +301,8 @@ def _unpack_int4pack_into(p: CpuLinear, buf: torch.Tensor) -> torch.Tensor:
 
 
 def _unpacks_exactly(p: CpuLinear) -> bool:
-    """Whether this torch build's int4pack layout is the one `_unpack_int4pack_into` reads (checked per layer)."""
+    """Whether this torch build's int4pack layout is the one `_unpack_int4pack_into` reads (checked per
+    layer)."""
     if p.weight.shape[0] % INT4PACK_BLOCK_N or p.packed.packed.numel() * 2 != p.weight.numel():
         return False
     unpacked = _unpack_int4pack_into(p, torch.empty(p.weight.shape, dtype=torch.int16))
@@ -311,8 +331,8 @@ def _dequant_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bf16 [out, in] weight reordered into oneDNN's blocked layout (what inductor's CPU freezing keeps), or None
-    where this torch build lacks the op."""
+    """A bf16 [out, in] weight reordered into oneDNN's blocked layout (what inductor's CPU freezing keeps), or
+    None where this torch build lacks the op."""
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS)
     except (AttributeError, RuntimeError):
@@ -339,10 +359,12 @@ def _release_bf16_copy(size: int) -> None:
 
 
 def _bf16_gemm_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
-    """x @ W.T as one bf16 GEMM on `p`'s bf16 weight (dense, or dequantized from a weight-only scheme whose activations
-    are bf16): AMX hosts, large M."""
+    """x @ W.T as one bf16 GEMM on `p`'s bf16 weight (dense, or dequantized from a weight-only scheme whose
+    activations are bf16): AMX hosts, large M."""
     x = x.to(torch.bfloat16).contiguous()
-    if p.bf16_prepacked and torch.compiler.is_compiling():  # inductor cannot lower the mkldnn op on a fused input
+    if (
+        p.bf16_prepacked and torch.compiler.is_compiling()
+    ):  # inductor cannot lower the mkldnn op on a fused input
         y = torch.ops.ascq.bf16_packed_linear(x, p.bf16_weight, p.out_features)
     elif p.bf16_prepacked:
         y = _packed_linear(x, p.bf16_weight, p.out_features)
@@ -368,13 +390,17 @@ def _(x, weight, out_features):
 
 
 def _large_m_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
-    """Rows past a kernel's threshold: one bf16 GEMM on AMX hosts, else an fp32 GEMM on the dequantized weight."""
+    """Rows past a kernel's threshold: one bf16 GEMM on AMX hosts, else an fp32 GEMM on the dequantized
+    weight."""
     return _bf16_gemm_linear(x, p) if BF16_GEMM_FAST else _dequant_linear(x, p)
 
 
-def bf16_small_m_linear(x: torch.Tensor, weight: torch.Tensor, max_m: int | None = None) -> torch.Tensor | None:
-    """fp32 x @ weight.T by the native bf16 kernel (M < max_m rows share one pass over the weights, each row's result
-    independent of M), or None where it does not apply (weight not bf16, M too large, K % 16, no native library)."""
+def bf16_small_m_linear(
+    x: torch.Tensor, weight: torch.Tensor, max_m: int | None = None
+) -> torch.Tensor | None:
+    """fp32 x @ weight.T by the native bf16 kernel (M < max_m rows share one pass over the weights, each row's
+    result independent of M), or None where it does not apply (weight not bf16, M too large, K % 16, no native
+    library)."""
     max_m = DENSE_BF16_MAX_M if max_m is None else max_m  # read per call: the host's threshold, or a test's
     if weight.dtype != torch.bfloat16 or x.shape[0] >= max_m or weight.shape[1] % 16:
         return None

@@ -1,13 +1,14 @@
-"""CUDA backend: torch ops that run on a GPU. Also runs on CPU tensors (GPU-only kernels then fall back), which is
-how the CPU test suite covers it; `benchmarks/cuda_check.py` runs the same comparisons on a GPU.
+"""CUDA backend: torch ops that run on a GPU. Also runs on CPU tensors (GPU-only kernels then fall back),
+which is how the CPU test suite covers it; `benchmarks/cuda_check.py` runs the same comparisons on a GPU.
 
 - `dense`: F.linear in the activation dtype.
-- `tinygemm` (w4a16 on a CUDA device, bf16 activations, group 32/64/128/256 or per channel via replicated group
-  scales, in % 32 == 0, out % 8 == 0): aten._weight_int4pack_mm.
-- `int_mm` (w8a8 / w4a8, per channel, symmetric weights and inputs, in % 8 == 0, out % 8 == 0): int8 activations
-  x int8 weights with torch._int_mm (exact int32), then per-token x per-channel scales. _int_mm needs more than
-  16 rows, so smaller batches are zero-padded.
-- `dequant`: everything else: dequantize the weight (fp32) per call and multiply the fake-quantized activation.
+- `tinygemm` (w4a16 on a CUDA device, bf16 activations, group 32/64/128/256 or per channel via replicated
+  group scales, in % 32 == 0, out % 8 == 0): aten._weight_int4pack_mm.
+- `int_mm` (w8a8 / w4a8, per channel, symmetric weights and inputs, in % 8 == 0, out % 8 == 0): int8
+  activations x int8 weights with torch._int_mm (exact int32), then per-token x per-channel scales. _int_mm
+  needs more than 16 rows, so smaller batches are zero-padded.
+- `dequant`: everything else: dequantize the weight (fp32) per call and multiply the fake-quantized
+  activation.
 """
 
 from __future__ import annotations

@@ -1,19 +1,21 @@
-"""ascq's native CPU kernels (weight_only_mm.c: W4A16 / W8A16 matmul; bf16_mm.c: bf16-weight matmul for small M;
-paged_decode_attention.c; fused_decode.c: a Llama decoder stack's decode step in one call), compiled with the
-system C compiler on first use into one shared library and loaded via ctypes.
+"""ascq's native CPU kernels (weight_only_mm.c: W4A16 / W8A16 matmul; bf16_mm.c: bf16-weight matmul for small
+M; paged_decode_attention.c; fused_decode.c: a Llama decoder stack's decode step in one call), compiled with
+the system C compiler on first use into one shared library and loaded via ctypes.
 
-No torch headers are needed (the kernels take raw pointers), so a compile takes about a second. The shared object is
-cached under $ASCQ_CACHE_DIR (default ~/.cache/ascq/kernels), named by a hash of source, flags and compiler, and
-written to a temporary file then renamed, so concurrent first uses never load a half-written library. It links
-OpenMP by its soname, libgomp.so.1: the copy torch has already loaded is the one used, so the kernel shares torch's
-thread pool; each call runs on `torch.get_num_threads()` threads.
+No torch headers are needed (the kernels take raw pointers), so a compile takes about a second. The shared
+object is cached under $ASCQ_CACHE_DIR (default ~/.cache/ascq/kernels), named by a hash of source, flags and
+compiler, and written to a temporary file then renamed, so concurrent first uses never load a half-written
+library. It links OpenMP by its soname, libgomp.so.1: the copy torch has already loaded is the one used, so
+the kernel shares torch's thread pool; each call runs on `torch.get_num_threads()` threads.
 
-The kernel functions take the library (None: `load()`'s). Each kernel is also a torch custom op (`torch.ops.ascq.*`, with a fake implementation for shapes), so a decode
-step calling them can be captured by `torch.compile` without graph breaks (ctypes calls cannot be traced); eager
-callers skip the dispatcher and call the library directly.
+The kernel functions take the library (None: `load()`'s). Each kernel is also a torch custom op
+(`torch.ops.ascq.*`, with a fake implementation for shapes), so a decode step calling them can be captured by
+`torch.compile` without graph breaks (ctypes calls cannot be traced); eager callers skip the dispatcher and
+call the library directly.
 
-`load()` returns None when ASCQ_NATIVE_KERNELS=0, and with one warning when there is no compiler, the build fails or
-the CPU lacks AVX2/FMA; the cpu backend then uses torch's ops (int4pack / int8pack, paged_sdpa's decode attention).
+`load()` returns None when ASCQ_NATIVE_KERNELS=0, and with one warning when there is no compiler, the build
+fails or the CPU lacks AVX2/FMA; the cpu backend then uses torch's ops (int4pack / int8pack, paged_sdpa's
+decode attention).
 """
 
 from __future__ import annotations
@@ -37,21 +39,41 @@ import torch.nn.functional as F
 from ascq import envs
 from ascq.atomic_file import atomic_output
 
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("weight_only_mm.c", "paged_decode_attention.c", "bf16_mm.c", "fused_decode.c", "gptq_columns.c",
-                        "group_quant_error.c")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in (
+        "weight_only_mm.c",
+        "paged_decode_attention.c",
+        "bf16_mm.c",
+        "fused_decode.c",
+        "gptq_columns.c",
+        "group_quant_error.c",
+    )
+]
 HEADER = Path(__file__).with_name("ascq_kernels.h")  # the ABI: prototypes and structs, declared once
-HEADERS = [HEADER, Path(__file__).with_name("simd.h")]  # included by the sources: part of the build's cache key
+HEADERS = [
+    HEADER,
+    Path(__file__).with_name("simd.h"),
+]  # included by the sources: part of the build's cache key
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-# One build per instruction set, the same sources (AVX2 intrinsics; the compiler may use AVX-512 where allowed),
-# chosen at run time from the CPU's features (`ascq_cpu_features`), best first. Results are the same bits.
+# One build per instruction set, the same sources (AVX2 intrinsics; the compiler may use AVX-512 where
+# allowed), chosen at run time from the CPU's features (`ascq_cpu_features`), best first. Results are the same
+# bits.
 VARIANTS = {
     "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16", "avx512vnni"),
     "avx2": ("avx2", "fma", "f16c"),
 }
-FEATURE_BITS = {"avx2": 1, "fma": 2, "f16c": 4, "avx512f": 8, "avx512bw": 16, "avx512vl": 32, "avx512bf16": 64,
-                "avx512vnni": 128}  # ascq_kernels.h's ASCQ_CPU_* (tests/test_native_abi.py checks they agree)
+FEATURE_BITS = {
+    "avx2": 1,
+    "fma": 2,
+    "f16c": 4,
+    "avx512f": 8,
+    "avx512bw": 16,
+    "avx512vl": 32,
+    "avx512bf16": 64,
+    "avx512vnni": 128,
+}  # ascq_kernels.h's ASCQ_CPU_* (tests/test_native_abi.py checks they agree)
 CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "void": None}
 
 
@@ -80,8 +102,11 @@ def parse_api(header: str) -> dict[str, tuple[Any, list[Any]]]:
     """{name: (restype, argtypes)} of every `ASCQ_API` prototype in the header text."""
     api = {}
     for ret, name, params in re.findall(r"ASCQ_API\s+(\w+)\s+(\w+)\(([^)]*)\);", header):
-        args = [] if params.strip() in ("", "void") else [_c_type(p.rsplit(" ", 1)[0] if "*" not in p else p)
-                                                          for p in params.split(",")]
+        args = (
+            []
+            if params.strip() in ("", "void")
+            else [_c_type(p.rsplit(" ", 1)[0] if "*" not in p else p) for p in params.split(",")]
+        )
         api[name] = (_c_type(ret), args)
     return api
 
@@ -106,15 +131,17 @@ def parse_structs(header: str) -> dict[str, list[tuple[str, str]]]:
 
 @functools.cache
 def structures() -> dict[str, type[ctypes.Structure]]:
-    """ctypes classes of the header's structs (`parse_structs`): a field of a struct type nests it, a pointer to
-    one is a POINTER to it, any other pointer a void pointer."""
+    """ctypes classes of the header's structs (`parse_structs`): a field of a struct type nests it, a pointer
+    to one is a POINTER to it, any other pointer a void pointer."""
     classes: dict[str, type[ctypes.Structure]] = {}
     for name, fields in parse_structs(HEADER.read_text()).items():
         members = []
         for field, c_type in fields:
             base = c_type.rstrip("*")
             if base in classes:
-                members.append((field, ctypes.POINTER(classes[base]) if c_type.endswith("*") else classes[base]))
+                members.append(
+                    (field, ctypes.POINTER(classes[base]) if c_type.endswith("*") else classes[base])
+                )
             else:
                 members.append((field, _c_type(c_type)))
         classes[name] = type(name, (ctypes.Structure,), {"_fields_": members})
@@ -135,8 +162,12 @@ def _compile(compiler: str, variant: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(target) as tmp:
-        subprocess.run([compiler, *flags(variant), *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
-                       check=True)
+        subprocess.run(
+            [compiler, *flags(variant), *map(str, SOURCES), "-o", str(tmp)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     return target
 
 
@@ -148,7 +179,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _build(compiler: str, variant: str) -> ctypes.CDLL:
-    """The `variant` build, compiled on first use; OSError or CalledProcessError when it cannot be built or loaded."""
+    """The `variant` build, compiled on first use; OSError or CalledProcessError when it cannot be built or
+    loaded."""
     return _declare(ctypes.CDLL(str(_compile(compiler, variant))))
 
 
@@ -158,15 +190,17 @@ def _build_error(exc: Exception) -> str:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library built for this CPU (`variant()`), or None where it cannot run (one warning says why).
-    The AVX2 build runs first to read the CPU's features; an AVX-512 CPU then loads its own build."""
+    """The kernel library built for this CPU (`variant()`), or None where it cannot run (one warning says
+    why). The AVX2 build runs first to read the CPU's features; an AVX-512 CPU then loads its own build."""
     if not envs.ASCQ_NATIVE_KERNELS:
         _unavailable("ASCQ_NATIVE_KERNELS=0")
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
-        _unavailable(f"they need x86-64 and a C compiler; this is {platform.machine()}"
-                     + ("" if compiler else " without one"))
+        _unavailable(
+            f"they need x86-64 and a C compiler; this is {platform.machine()}"
+            + ("" if compiler else " without one")
+        )
         return None
     try:
         lib = _build(compiler, "avx2")
@@ -182,8 +216,11 @@ def load() -> ctypes.CDLL | None:
         try:
             lib = _build(compiler, chosen)
         except (OSError, subprocess.CalledProcessError) as exc:
-            warnings.warn(f"ascq native CPU kernels: the {chosen} build failed ({_build_error(exc)}); using the avx2 "
-                          "build", stacklevel=2)
+            warnings.warn(
+                f"ascq native CPU kernels: the {chosen} build failed ({_build_error(exc)}); using the avx2 "
+                "build",
+                stacklevel=2,
+            )
             chosen = "avx2"
     _VARIANT[0] = chosen
     return lib
@@ -211,7 +248,8 @@ def _unavailable(reason: str) -> None:
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether `load()` gives a library; a constant to `torch.compile` (which cannot trace the build and load)."""
+    """Whether `load()` gives a library; a constant to `torch.compile` (which cannot trace the build and
+    load)."""
     return load() is not None
 
 
@@ -228,8 +266,12 @@ class PackedWeights:
     n: int  # output features (the last tile is padded with zero weights)
     k: int
     group_size: int
-    scales: torch.Tensor  # [tiles, groups, 8]: bf16 where that holds them exactly (fewer bytes per step), else fp32
-    zeros: torch.Tensor | None  # [tiles, groups, 8] zero points: int8, bf16 or fp32 (the most compact exact); None:
+    scales: (
+        torch.Tensor
+    )  # [tiles, groups, 8]: bf16 where that holds them exactly (fewer bytes per step), else fp32
+    zeros: (
+        torch.Tensor | None
+    )  # [tiles, groups, 8] zero points: int8, bf16 or fp32 (the most compact exact); None:
     # symmetric
 
 
@@ -246,13 +288,22 @@ def _compact(t: torch.Tensor, integral: bool) -> torch.Tensor:
     return t.bfloat16() if torch.equal(t.bfloat16().float(), t) else t.float()
 
 
-def pack(q: torch.Tensor, bits: int, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-         compact: bool = True) -> PackedWeights:
-    """Signed int4 / int8 values q [N, K] (K % 32 == 0), scales and zero points [N, K / group_size] (zeros None:
-    symmetric) -> the kernel's layout. `compact`: qparams in the fewest bytes that hold them exactly (else fp32)."""
+def pack(
+    q: torch.Tensor,
+    bits: int,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    compact: bool = True,
+) -> PackedWeights:
+    """Signed int4 / int8 values q [N, K] (K % 32 == 0), scales and zero points [N, K / group_size] (zeros
+    None: symmetric) -> the kernel's layout. `compact`: qparams in the fewest bytes that hold them exactly
+    (else fp32)."""
     n, k = q.shape
     n_padded = -(-n // TILE) * TILE
-    q = F.pad(q.to(torch.int16), (0, 0, 0, n_padded - n)).view(n_padded // TILE, TILE, k // 4, 2, 2)  # t, j, quad, h, p
+    q = F.pad(q.to(torch.int16), (0, 0, 0, n_padded - n)).view(
+        n_padded // TILE, TILE, k // 4, 2, 2
+    )  # t, j, quad, h, p
     if bits == 4:
         u = (q + 8).to(torch.uint8).permute(0, 2, 1, 4, 3)  # t, quad, j, p, h
         data = u[..., 0] | (u[..., 1] << 4)
@@ -261,8 +312,15 @@ def pack(q: torch.Tensor, bits: int, scales: torch.Tensor, zeros: torch.Tensor |
     scales, zeros = scales.float(), None if zeros is None else zeros.float()
     if compact:
         scales, zeros = _compact(scales, False), None if zeros is None else _compact(zeros, True)
-    return PackedWeights(data.reshape(n_padded // TILE, k * bits).contiguous(), bits, n, k, group_size,
-                         _tiled(scales, n_padded), None if zeros is None else _tiled(zeros, n_padded))
+    return PackedWeights(
+        data.reshape(n_padded // TILE, k * bits).contiguous(),
+        bits,
+        n,
+        k,
+        group_size,
+        _tiled(scales, n_padded),
+        None if zeros is None else _tiled(zeros, n_padded),
+    )
 
 
 def unpack_into(packed: PackedWeights, buf: torch.Tensor) -> torch.Tensor:
@@ -283,9 +341,15 @@ def unpack_into(packed: PackedWeights, buf: torch.Tensor) -> torch.Tensor:
 
 
 def qparam_args(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[int, int, int | None, int]:
-    """(scales pointer, scales_bf16, zeros pointer or None, zeros_kind): how weight_only_mm.c takes the qparams."""
+    """(scales pointer, scales_bf16, zeros pointer or None, zeros_kind): how weight_only_mm.c takes the
+    qparams."""
     zeros_ptr = None if zeros is None else zeros.data_ptr()
-    return scales.data_ptr(), int(scales.dtype == torch.bfloat16), zeros_ptr, ZERO_KINDS[None if zeros is None else zeros.dtype]
+    return (
+        scales.data_ptr(),
+        int(scales.dtype == torch.bfloat16),
+        zeros_ptr,
+        ZERO_KINDS[None if zeros is None else zeros.dtype],
+    )
 
 
 def weight_only_mm(lib: ctypes.CDLL | None, x: torch.Tensor, w: PackedWeights) -> torch.Tensor:
@@ -296,15 +360,30 @@ def weight_only_mm(lib: ctypes.CDLL | None, x: torch.Tensor, w: PackedWeights) -
 
 
 def _weight_only_mm(
-    lib: ctypes.CDLL | None, x: torch.Tensor, data: torch.Tensor, bits: int, scales: torch.Tensor,
-    zeros: torch.Tensor | None, group_size: int, n: int,
+    lib: ctypes.CDLL | None,
+    x: torch.Tensor,
+    data: torch.Tensor,
+    bits: int,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    n: int,
 ) -> torch.Tensor:
     lib = load() if lib is None else lib
     x = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     status = lib.ascq_weight_only_mm(
-        x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(), bits, *qparam_args(scales, zeros),
-        y.data_ptr(), x.shape[0], n, x.shape[1], group_size, torch.get_num_threads(),
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        data.data_ptr(),
+        bits,
+        *qparam_args(scales, zeros),
+        y.data_ptr(),
+        x.shape[0],
+        n,
+        x.shape[1],
+        group_size,
+        torch.get_num_threads(),
     )
     if status != 0:
         raise ValueError(f"{bits}-bit kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
@@ -316,63 +395,122 @@ def dequantize_bf16(lib: ctypes.CDLL | None, w: PackedWeights, out: torch.Tensor
     lib = load() if lib is None else lib
     assert out.dtype == torch.bfloat16 and out.shape == (w.n, w.k) and out.is_contiguous()
     status = lib.ascq_dequantize_bf16(
-        w.data.data_ptr(), w.bits, *qparam_args(w.scales, w.zeros), out.data_ptr(), w.n, w.k, w.group_size,
+        w.data.data_ptr(),
+        w.bits,
+        *qparam_args(w.scales, w.zeros),
+        out.data_ptr(),
+        w.n,
+        w.k,
+        w.group_size,
         torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"{w.bits}-bit dequantization rejected shapes {w.n}x{w.k}, group size {w.group_size}")
+        raise ValueError(
+            f"{w.bits}-bit dequantization rejected shapes {w.n}x{w.k}, group size {w.group_size}"
+        )
     return out
 
 
-def gptq_columns(w: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_of: torch.Tensor, first: int, last: int, float_zero_point: bool, q_range: tuple[int, int]) -> None:
-    """GPTQ's column loop over rows [first, last) of one block (gptq_columns.c), in place on `w` [rows, out] and
-    `err` [rows, out]; `u` [rows, rows] (a row-major view), `scales`/`zeros` fp32 [groups, out], `group_of` int32
-    [rows]. torch's threads split the `out` columns (independent of each other: the same results)."""
+def gptq_columns(
+    w: torch.Tensor,
+    u: torch.Tensor,
+    err: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_of: torch.Tensor,
+    first: int,
+    last: int,
+    float_zero_point: bool,
+    q_range: tuple[int, int],
+) -> None:
+    """GPTQ's column loop over rows [first, last) of one block (gptq_columns.c), in place on `w` [rows, out]
+    and `err` [rows, out]; `u` [rows, rows] (a row-major view), `scales`/`zeros` fp32 [groups, out],
+    `group_of` int32 [rows]. torch's threads split the `out` columns (independent of each other: the same
+    results)."""
     lib = load()
     assert w.dtype == err.dtype == u.dtype == scales.dtype == zeros.dtype == torch.float32
     assert w.is_contiguous() and err.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
     assert u.stride(1) == 1 and group_of.dtype == torch.int32 and group_of.is_contiguous()
-    status = lib.ascq_gptq_columns(w.data_ptr(), w.shape[1], w.shape[0], first, last, u.data_ptr(), u.stride(0),
-                                   err.data_ptr(), scales.data_ptr(), zeros.data_ptr(), group_of.data_ptr(),
-                                   int(float_zero_point), float(q_range[0]), float(q_range[1]),
-                                   torch.get_num_threads())
+    status = lib.ascq_gptq_columns(
+        w.data_ptr(),
+        w.shape[1],
+        w.shape[0],
+        first,
+        last,
+        u.data_ptr(),
+        u.stride(0),
+        err.data_ptr(),
+        scales.data_ptr(),
+        zeros.data_ptr(),
+        group_of.data_ptr(),
+        int(float_zero_point),
+        float(q_range[0]),
+        float(q_range[1]),
+        torch.get_num_threads(),
+    )
     if status != 0:
         raise ValueError(f"GPTQ column loop rejected rows {first}..{last} of a {tuple(w.shape)} block")
 
 
-def group_quant_errors(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, q_range: tuple[int, int],
-                       norm: float, importance: torch.Tensor | None = None) -> torch.Tensor:
+def group_quant_errors(
+    x: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    q_range: tuple[int, int],
+    norm: float,
+    importance: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Σ importance · |dequantize(quantize(x)) - x|^norm per group and candidate (group_quant_error.c): x and
-    importance (None: 1) fp32 [groups, len], scales / zeros (None: symmetric) fp32 [groups, candidates] -> fp32
-    [groups, candidates]."""
+    importance (None: 1) fp32 [groups, len], scales / zeros (None: symmetric) fp32 [groups, candidates] ->
+    fp32 [groups, candidates]."""
     lib = load()
     assert x.dtype == scales.dtype == torch.float32 and x.is_contiguous() and scales.is_contiguous()
-    assert importance is None or (importance.dtype == torch.float32 and importance.is_contiguous()
-                                  and importance.shape == x.shape)
-    assert scales.shape[0] == x.shape[0] and (zeros is None or (zeros.dtype == torch.float32 and zeros.is_contiguous()
-                                                                  and zeros.shape == scales.shape))
+    assert importance is None or (
+        importance.dtype == torch.float32 and importance.is_contiguous() and importance.shape == x.shape
+    )
+    assert scales.shape[0] == x.shape[0] and (
+        zeros is None
+        or (zeros.dtype == torch.float32 and zeros.is_contiguous() and zeros.shape == scales.shape)
+    )
     errors = torch.empty_like(scales)
-    status = lib.ascq_group_quant_errors(x.data_ptr(), None if importance is None else importance.data_ptr(),
-                                         x.shape[0], x.shape[1], scales.data_ptr(),
-                                         None if zeros is None else zeros.data_ptr(), scales.shape[1],
-                                         float(q_range[0]), float(q_range[1]), float(norm), errors.data_ptr(),
-                                         torch.get_num_threads())
+    status = lib.ascq_group_quant_errors(
+        x.data_ptr(),
+        None if importance is None else importance.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        scales.data_ptr(),
+        None if zeros is None else zeros.data_ptr(),
+        scales.shape[1],
+        float(q_range[0]),
+        float(q_range[1]),
+        float(norm),
+        errors.data_ptr(),
+        torch.get_num_threads(),
+    )
     if status != 0:
-        raise ValueError(f"quantization error kernel rejected x {tuple(x.shape)}, {scales.shape[1]} candidates")
+        raise ValueError(
+            f"quantization error kernel rejected x {tuple(x.shape)}, {scales.shape[1]} candidates"
+        )
     return errors
 
 
 def bf16_mm(lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (any float dtype; computed in fp32) @ weight.T, weight bf16 [N, K] with K % 16 == 0 -> fp32 [M, N];
-    each row's result is independent of M (see bf16_mm.c)."""
+    """x [M, K] (any float dtype; computed in fp32) @ weight.T, weight bf16 [N, K] with K % 16 == 0 -> fp32
+    [M, N]; each row's result is independent of M (see bf16_mm.c)."""
     if torch.compiler.is_compiling():
         return torch.ops.ascq.bf16_mm(x, weight)
     lib = load() if lib is None else lib
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    status = lib.ascq_bf16_mm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
-                              x.shape[1], torch.get_num_threads())
+    status = lib.ascq_bf16_mm(
+        x.data_ptr(),
+        weight.data_ptr(),
+        y.data_ptr(),
+        x.shape[0],
+        weight.shape[0],
+        x.shape[1],
+        torch.get_num_threads(),
+    )
     if status != 0:
         raise ValueError(f"bf16 kernel rejected shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     return y
@@ -383,14 +521,22 @@ _FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.fl
 
 
 def paged_decode_attention(
-    lib: ctypes.CDLL | None, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float,
+    lib: ctypes.CDLL | None,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
 ) -> torch.Tensor:
-    """query [B, H, D], one token per sequence at its last position -> fp32 [B, H, D] (see paged_decode_attention.c);
-    caches [num_blocks, block_size, Hkv, D] of a dtype in CACHE_DTYPES."""
+    """query [B, H, D], one token per sequence at its last position -> fp32 [B, H, D] (see
+    paged_decode_attention.c); caches [num_blocks, block_size, Hkv, D] of a dtype in CACHE_DTYPES."""
     if torch.compiler.is_compiling():
-        return torch.ops.ascq.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                     float(k_scale), float(v_scale))
+        return torch.ops.ascq.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, float(k_scale), float(v_scale)
+        )
     lib = load() if lib is None else lib
     query = query.float().contiguous()
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # no-ops for the engine's caches
@@ -399,26 +545,47 @@ def paged_decode_attention(
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(query)
     status = lib.ascq_paged_decode_attention(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPES[k_cache.dtype], num_blocks,
-        tables.data_ptr(), tables.shape[1], lens.data_ptr(), query.shape[0], query.shape[1], num_kv_heads,
-        head_dim, block_size, scale, float(k_scale), float(v_scale), _FP8_VALUES.data_ptr(), out.data_ptr(),
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        CACHE_DTYPES[k_cache.dtype],
+        num_blocks,
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        query.shape[0],
+        query.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        float(k_scale),
+        float(v_scale),
+        _FP8_VALUES.data_ptr(),
+        out.data_ptr(),
         torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError("paged decode attention rejected its inputs (sequence lengths or block ids out of range)")
+        raise ValueError(
+            "paged decode attention rejected its inputs (sequence lengths or block ids out of range)"
+        )
     return out
 
 
 # The kernels as torch operators (`torch.ops.ascq.*`) for graph capture: a CPU implementation (this module's
-# functions) and a fake one (output shape and dtype only). Registered through `torch.library.Library` rather than
-# `torch.library.custom_op`: a call costs a third of custom_op's dispatch overhead, which matters at five kernel
-# calls per layer.
+# functions) and a fake one (output shape and dtype only). Registered through `torch.library.Library` rather
+# than `torch.library.custom_op`: a call costs a third of custom_op's dispatch overhead, which matters at five
+# kernel calls per layer.
 _OPS = torch.library.Library("ascq", "DEF")
-_OPS.define("weight_only_mm(Tensor x, Tensor weight, int bits, Tensor scales, Tensor? zeros, int group_size, int n) "
-            "-> Tensor")
+_OPS.define(
+    "weight_only_mm(Tensor x, Tensor weight, int bits, Tensor scales, Tensor? zeros, int group_size, int n) "
+    "-> Tensor"
+)
 _OPS.define("bf16_mm(Tensor x, Tensor weight) -> Tensor")
-_OPS.define("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-            "Tensor seq_lens, float scale, float k_scale, float v_scale) -> Tensor")
+_OPS.define(
+    "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+    "Tensor seq_lens, float scale, float k_scale, float v_scale) -> Tensor"
+)
 _OPS.impl("weight_only_mm", functools.partial(_weight_only_mm, None), "CPU")
 _OPS.impl("bf16_mm", functools.partial(bf16_mm, None), "CPU")
 _OPS.impl("paged_decode_attention", functools.partial(paged_decode_attention, None), "CPU")

@@ -1,10 +1,10 @@
-"""Paged KV cache write + attention built on torch's scaled_dot_product_attention; shared by the `cpu` and `cuda`
-backends.
+"""Paged KV cache write + attention built on torch's scaled_dot_product_attention; shared by the `cpu` and
+`cuda` backends.
 
-Decode rows (one query token per sequence, and each row of a short chunk, see SHORT_QUERY_MAX) run as one batched
-fp32 attention over each sequence's gathered, padded context; longer prefill chunks run one SDPA per sequence (plain causal when the chunk is the whole context, else an explicit mask,
-since SDPA's `is_causal` aligns top-left). float8 caches are read and written through uint8 views, which index on
-every device.
+Decode rows (one query token per sequence, and each row of a short chunk, see SHORT_QUERY_MAX) run as one
+batched fp32 attention over each sequence's gathered, padded context; longer prefill chunks run one SDPA per
+sequence (plain causal when the chunk is the whole context, else an explicit mask, since SDPA's `is_causal`
+aligns top-left). float8 caches are read and written through uint8 views, which index on every device.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def _gather(
 
 
 def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots [S, length] of each sequence's first `length` positions; past a sequence's own end they
-    are slots of its table's padding blocks (valid, finite, and masked by the caller)."""
+    """Flat cache slots [S, length] of each sequence's first `length` positions; past a sequence's own end
+    they are slots of its table's padding blocks (valid, finite, and masked by the caller)."""
     num_blocks = -(-length // block_size)
     offsets = torch.arange(block_size, device=block_tables.device)
     slots = block_tables[:, :num_blocks, None].long() * block_size + offsets
@@ -100,10 +100,12 @@ def _attend_prefill(query, k_cache, v_cache, block_table, seq_len, scale, k_scal
 _layout_cache: tuple[torch.Tensor, torch.Tensor, tuple[list[int], list[int], list[int]]] | None = None
 
 
-def _step_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
-    """(query starts, sequence lengths, query lengths) as host lists. Every layer of a step passes the same metadata
-    tensors, so they are read back once per step, not once per layer (the cache holds the tensors themselves, so
-    their identities cannot be reused by a later step's tensors while cached)."""
+def _step_layout(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[list[int], list[int], list[int]]:
+    """(query starts, sequence lengths, query lengths) as host lists. Every layer of a step passes the same
+    metadata tensors, so they are read back once per step, not once per layer (the cache holds the tensors
+    themselves, so their identities cannot be reused by a later step's tensors while cached)."""
     global _layout_cache
     if _layout_cache is not None and _layout_cache[0] is query_start_loc and _layout_cache[1] is seq_lens:
         return _layout_cache[2]
@@ -115,16 +117,17 @@ def _step_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple
 
 
 SHORT_QUERY_MAX = 8
-"""Query chunks up to this long (speculative verification rows, short chunk tails) run as one-token rows: row i of
-an n-row chunk ending at context length L is a decode row of context L - n + 1 + i. Each token then gets exactly the
-attention it would get decoded alone (speculation changes no greedy token), and one `attend_decode` call serves the
-whole step instead of one masked SDPA per sequence."""
+"""Query chunks up to this long (speculative verification rows, short chunk tails) run as one-token rows: row
+i of an n-row chunk ending at context length L is a decode row of context L - n + 1 + i. Each token then gets
+exactly the attention it would get decoded alone (speculation changes no greedy token), and one
+`attend_decode` call serves the whole step instead of one masked SDPA per sequence."""
 
 
 def _one_token_rows(
     starts: list[int], lengths: list[int], query_lens: list[int]
 ) -> tuple[list[int], list[int], list[int]]:
-    """(query rows, their context lengths, their sequence indices) of every chunk up to SHORT_QUERY_MAX rows."""
+    """(query rows, their context lengths, their sequence indices) of every chunk up to SHORT_QUERY_MAX
+    rows."""
     rows, lens, seqs = [], [], []
     for s, (start, length, query_len) in enumerate(zip(starts, lengths, query_lens, strict=False)):
         if query_len <= SHORT_QUERY_MAX:
@@ -147,9 +150,9 @@ def paged_attention(
     attend_decode: Callable[..., torch.Tensor] = _attend_decode,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """`attend_decode` serves the one-token rows (same arguments as `_attend_decode`); a backend may bring its own.
-    `max_query_len` 1 says every row is a decode row: the layout is then not read back to the host (a captured
-    decode graph has no host reads)."""
+    """`attend_decode` serves the one-token rows (same arguments as `_attend_decode`); a backend may bring its
+    own. `max_query_len` 1 says every row is a decode row: the layout is then not read back to the host (a
+    captured decode graph has no host reads)."""
     device = query.device
     if max_query_len == 1:
         lens = seq_lens.to(device=device, dtype=torch.long)
@@ -167,9 +170,13 @@ def paged_attention(
     if rows:
         index = torch.tensor(rows, device=device)
         lens = torch.tensor(row_lens, device=device)
-        out[index] = attend_decode(query[index], k_cache, v_cache, tables[row_seqs], lens, scale, k_scale, v_scale)
+        out[index] = attend_decode(
+            query[index], k_cache, v_cache, tables[row_seqs], lens, scale, k_scale, v_scale
+        )
     for s, query_len in enumerate(query_lens):
         if query_len > SHORT_QUERY_MAX:
             chunk = slice(starts[s], starts[s] + query_len)
-            out[chunk] = _attend_prefill(query[chunk], k_cache, v_cache, tables[s], lengths[s], scale, k_scale, v_scale)
+            out[chunk] = _attend_prefill(
+                query[chunk], k_cache, v_cache, tables[s], lengths[s], scale, k_scale, v_scale
+            )
     return out

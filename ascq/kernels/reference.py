@@ -1,5 +1,5 @@
-"""Reference backend: plain torch, fp32 math, written to be read. The ground truth every other backend is tested
-against; slow on purpose (loops over sequences and experts)."""
+"""Reference backend: plain torch, fp32 math, written to be read. The ground truth every other backend is
+tested against; slow on purpose (loops over sequences and experts)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,7 @@ def dequantize_weight(w: QuantLinearWeights) -> torch.Tensor:
         return w.weight.float()
     group_size = w.group_size or w.in_features
     scale = w.weight_scale.float().repeat_interleave(group_size, dim=1)
-    zero = (
-        0.0
-        if w.zero_point is None
-        else w.zero_point.float().repeat_interleave(group_size, dim=1)
-    )
+    zero = 0.0 if w.zero_point is None else w.zero_point.float().repeat_interleave(group_size, dim=1)
     return (w.weight.float() - zero) * scale
 
 
@@ -80,7 +76,8 @@ def from_cache(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
 
 
 def causal_visible(seq_len: int, query_len: int, device: torch.device | None = None) -> torch.Tensor:
-    """bool [query_len, seq_len]: query row i (context position seq_len - query_len + i) sees positions <= its own."""
+    """bool [query_len, seq_len]: query row i (context position seq_len - query_len + i) sees positions <=
+    its own."""
     query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
     return torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
 
@@ -123,8 +120,8 @@ def paged_attention(
     v_scale: float | torch.Tensor = 1.0,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new query tokens over its whole cached context (this step included);
-    `max_query_len` (1: every row is a decode row) is a hint other backends use, unused here."""
+    """Causal attention of each sequence's new query tokens over its whole cached context (this step
+    included); `max_query_len` (1: every row is a decode row) is a hint other backends use, unused here."""
     out = torch.empty_like(query)
     for s in range(len(seq_lens)):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
@@ -136,11 +133,15 @@ def paged_attention(
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 attention of queries [Tq, H, D] (the last Tq positions) over keys/values [S, Hkv, D], causal, GQA by
-    repeating kv heads; also the reference models' attention (so converter and reference backend agree bit for bit)."""
+    """fp32 attention of queries [Tq, H, D] (the last Tq positions) over keys/values [S, Hkv, D], causal, GQA
+    by repeating kv heads; also the reference models' attention (so converter and reference backend agree bit
+    for bit)."""
     num_heads, seq_len, query_len = q.shape[1], keys.shape[0], q.shape[0]
     group = num_heads // keys.shape[1]
-    keys, values = keys.float().repeat_interleave(group, dim=1), values.float().repeat_interleave(group, dim=1)
+    keys, values = (
+        keys.float().repeat_interleave(group, dim=1),
+        values.float().repeat_interleave(group, dim=1),
+    )
     # in place: each [H, Tq, S] temporary is a fresh mmap under the converter's malloc settings (page faults)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys).mul_(scale)
     scores.masked_fill_(~causal_visible(seq_len, query_len, q.device), float("-inf"))

@@ -1,10 +1,11 @@
 """The plain-PyTorch reference decoder layer (Hugging Face module and tensor names) of every supported family:
 Llama-style attention (MHA/GQA, rotary, optional q/k/v and o biases) and a SiLU-gated MLP, or any `mlp` module
-(DeepSeek-MoE's routed experts). The converter calibrates and measures on it; transformers stays the independent
-reference in the tests.
+(DeepSeek-MoE's routed experts). The converter calibrates and measures on it; transformers stays the
+independent reference in the tests.
 
-Its RMSNorm, rotary embedding and attention are the runtime's own functions (`rms_norm`, `RotaryEmbedding`, the reference backend's `causal_attention`), so the converter's fake-quantized logits are the
-reference backend's served logits bit for bit.
+Its RMSNorm, rotary embedding and attention are the runtime's own functions (`rms_norm`, `RotaryEmbedding`,
+the reference backend's `causal_attention`), so the converter's fake-quantized logits are the reference
+backend's served logits bit for bit.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from ascq.core.norm import rms_norm
 from ascq.core.rotary import RotaryEmbedding
 from ascq.kernels.reference import causal_attention
 
-# kv_hook(key, value) -> (key, value) on post-RoPE keys/values [batch, kv_heads, seq, head_dim] (calibration, fp8 KV)
+# kv_hook(key, value) -> (key, value) on post-RoPE keys/values [batch, kv_heads, seq, head_dim] (calibration,
+# fp8 KV)
 KVHook = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -38,13 +40,21 @@ class AttentionShape:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise AscqError(f"num_attention_heads {self.num_heads} must divide by num_key_value_heads {self.num_kv_heads}")
+            raise AscqError(
+                f"num_attention_heads {self.num_heads} must divide by num_key_value_heads {self.num_kv_heads}"
+            )
 
     @classmethod
     def from_config(cls, config: dict[str, Any], qkv_bias: bool, o_bias: bool) -> AttentionShape:
         num_heads = int(config["num_attention_heads"])
-        return cls(int(config["hidden_size"]), num_heads, int(config.get("num_key_value_heads") or num_heads),
-                   head_dim_of(config), qkv_bias, o_bias)
+        return cls(
+            int(config["hidden_size"]),
+            num_heads,
+            int(config.get("num_key_value_heads") or num_heads),
+            head_dim_of(config),
+            qkv_bias,
+            o_bias,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -62,35 +72,49 @@ class Attention(nn.Module):
         super().__init__()
         self.shape = shape
         self.rotary_emb = rotary
-        hidden, q_size, kv_size = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        hidden, q_size, kv_size = (
+            shape.hidden_size,
+            shape.num_heads * shape.head_dim,
+            shape.num_kv_heads * shape.head_dim,
+        )
         self.q_proj = nn.Linear(hidden, q_size, bias=shape.qkv_bias)
         self.k_proj = nn.Linear(hidden, kv_size, bias=shape.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=shape.o_bias)
-        # the converter's calibration forwards (`pipeline.fast_layer`): torch's fused causal attention in this dtype,
-        # several times faster on the CPU, equal to `causal_attention` up to float rounding (not bit for bit); None: off
+        # the converter's calibration forwards (`pipeline.fast_layer`): torch's fused causal attention in this
+        # dtype, several times faster on the CPU, equal to `causal_attention` up to float rounding (not bit
+        # for bit); None: off
         self.fused_attention: torch.dtype | None = None
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None
+    ) -> torch.Tensor:
         """x [batch, seq, hidden] at position_ids [1 or batch, seq]."""
         batch, seq, _ = x.shape
         s = self.shape
         q = self.q_proj(x).view(batch, seq, s.num_heads, s.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, s.num_kv_heads, s.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        cos_sin = self.rotary_emb.cos_sin(position_ids.expand(batch, seq), x.dtype)  # [batch, 1, seq, head_dim]
+        cos_sin = self.rotary_emb.cos_sin(
+            position_ids.expand(batch, seq), x.dtype
+        )  # [batch, 1, seq, head_dim]
         q, k = self.rotary_emb.rotate(q, cos_sin), self.rotary_emb.rotate(k, cos_sin)
         if kv_hook is not None:
             k, v = kv_hook(k, v)
         if self.fused_attention is not None and x.dtype == torch.float32:
             dtype = self.fused_attention
-            out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True,
-                                                 scale=s.head_dim**-0.5, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True, scale=s.head_dim**-0.5, enable_gqa=True
+            )
             return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1).to(x.dtype))
-        out = torch.stack([
-            causal_attention(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), s.head_dim**-0.5)
-            for b in range(batch)
-        ]).to(x.dtype)
+        out = torch.stack(
+            [
+                causal_attention(
+                    q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), s.head_dim**-0.5
+                )
+                for b in range(batch)
+            ]
+        ).to(x.dtype)
         return self.o_proj(out.reshape(batch, seq, -1))
 
 
@@ -103,25 +127,36 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)
-        if torch.is_grad_enabled():  # training (tests/fixtures/train_fixture.py): autograd keeps the activation's input
+        if (
+            torch.is_grad_enabled()
+        ):  # training (tests/fixtures/train_fixture.py): autograd keeps the activation's input
             return self.down_proj(F.silu(gate) * self.up_proj(x))
-        return self.down_proj(F.silu(gate, inplace=True).mul_(self.up_proj(x)))  # the same values, two fewer tensors
+        return self.down_proj(
+            F.silu(gate, inplace=True).mul_(self.up_proj(x))
+        )  # the same values, two fewer tensors
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block with HF names (self_attn, mlp, input_layernorm, post_attention_layernorm)."""
+    """Pre-norm attention + MLP block with HF names (self_attn, mlp, input_layernorm,
+    post_attention_layernorm)."""
 
-    def __init__(self, shape: AttentionShape, mlp: nn.Module, rms_norm_eps: float, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, shape: AttentionShape, mlp: nn.Module, rms_norm_eps: float, rotary: RotaryEmbedding
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(shape, rotary)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(shape.hidden_size, rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None
+    ) -> torch.Tensor:
         return self.mlp_block(self.attention_block(hidden_states, position_ids, kv_hook))
 
-    def attention_block(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None) -> torch.Tensor:
+    def attention_block(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None
+    ) -> torch.Tensor:
         """The first residual half: hidden + self_attn(input_layernorm(hidden))."""
         return hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids, kv_hook)
 

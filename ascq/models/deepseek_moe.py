@@ -1,9 +1,10 @@
 """Plain-PyTorch DeepSeek-MoE v1 (`model_type: deepseek`, e.g. deepseek-ai/deepseek-moe-16b-base).
 
-Follows the published `modeling_deepseek.py`: Llama-style attention (MHA/GQA, rotary), RMSNorm, a dense MLP in the
-first `first_k_dense_replace` layers, then MoE layers with a softmax router over the routed experts, top-k weights
-used as they are (renormalised only when `norm_topk_prob`), plus shared experts that every token passes through.
-Module and parameter names are the Hugging Face tensor names, so `state_dict()` loads their safetensors as-is.
+Follows the published `modeling_deepseek.py`: Llama-style attention (MHA/GQA, rotary), RMSNorm, a dense MLP in
+the first `first_k_dense_replace` layers, then MoE layers with a softmax router over the routed experts, top-k
+weights used as they are (renormalised only when `norm_topk_prob`), plus shared experts that every token
+passes through. Module and parameter names are the Hugging Face tensor names, so `state_dict()` loads their
+safetensors as-is.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ __all__ = ["DeepseekConfig", "DeepseekDecoderLayer", "DeepseekForCausalLM", "Dee
 class DeepseekMoE(nn.Module):
     """Routed experts weighted by the router's softmax top-k, plus shared experts added for every token.
 
-    After each forward: `aux_loss` holds DeepSeek's load-balancing loss (training mode and aux_loss_alpha > 0, else
-    None); with `record_routing = True`, `routed_token_counts[e]` accumulates how many tokens chose expert e.
+    After each forward: `aux_loss` holds DeepSeek's load-balancing loss (training mode and aux_loss_alpha > 0,
+    else None); with `record_routing = True`, `routed_token_counts[e]` accumulates how many tokens chose
+    expert e.
     """
 
     def __init__(self, config: DeepseekConfig) -> None:
@@ -40,7 +42,9 @@ class DeepseekMoE(nn.Module):
         )
         self.shared_experts = None
         if config.n_shared_experts:
-            self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            self.shared_experts = MLP(
+                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+            )
         self.aux_loss: torch.Tensor | None = None
         self.record_routing = False
         self.routed_token_counts = torch.zeros(config.n_routed_experts, dtype=torch.long, device="cpu")
@@ -49,7 +53,9 @@ class DeepseekMoE(nn.Module):
         """Router scores [tokens, experts] and the chosen (top-k weights, expert ids), each [tokens, k]: the
         runtime's router (`select_experts`: fp32 softmax, top-k, renormalized when norm_topk_prob)."""
         logits = self.gate(x)
-        topk_weight, topk_idx = select_experts(logits, self.config.num_experts_per_tok, self.config.norm_topk_prob)
+        topk_weight, topk_idx = select_experts(
+            logits, self.config.num_experts_per_tok, self.config.norm_topk_prob
+        )
         return logits.float().softmax(dim=-1), topk_weight.to(x.dtype), topk_idx
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -63,7 +69,11 @@ class DeepseekMoE(nn.Module):
                 y.index_add_(0, token_ids, expert(x[token_ids]) * topk_weight[token_ids, slot, None])
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        self.aux_loss = self._aux_loss(scores, topk_idx, batch, seq) if self.training and self.config.aux_loss_alpha > 0 else None
+        self.aux_loss = (
+            self._aux_loss(scores, topk_idx, batch, seq)
+            if self.training and self.config.aux_loss_alpha > 0
+            else None
+        )
         if self.record_routing:
             self.routed_token_counts = self.routed_token_counts + torch.bincount(
                 topk_idx.flatten().cpu(), minlength=self.config.n_routed_experts
@@ -71,20 +81,29 @@ class DeepseekMoE(nn.Module):
         return y.view(batch, seq, hidden)
 
     def _aux_loss(self, scores: torch.Tensor, topk_idx: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
-        """DeepSeek's balance loss: alpha * sum_e f_e * P_e, f_e = load relative to uniform, P_e = mean score."""
+        """DeepSeek's balance loss: alpha * sum_e f_e * P_e, f_e = load relative to uniform, P_e = mean
+        score."""
         n, k = self.config.n_routed_experts, self.config.num_experts_per_tok
         if self.config.seq_aux:  # per sequence, then averaged
             load = torch.zeros(batch, n, device=scores.device)
             load.scatter_add_(1, topk_idx.view(batch, -1), torch.ones(batch, seq * k, device=scores.device))
             load = load / (seq * k / n)
-            return (load * scores.view(batch, seq, n).mean(dim=1)).sum(dim=1).mean() * self.config.aux_loss_alpha
+            return (load * scores.view(batch, seq, n).mean(dim=1)).sum(
+                dim=1
+            ).mean() * self.config.aux_loss_alpha
         load = F.one_hot(topk_idx.flatten(), num_classes=n).float().mean(0) * n
         return (scores.mean(0) * load).sum() * self.config.aux_loss_alpha
 
 
 def attention_shape(config: DeepseekConfig) -> AttentionShape:
-    return AttentionShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                          config.attention_bias, config.attention_bias)
+    return AttentionShape(
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.attention_bias,
+        config.attention_bias,
+    )
 
 
 class DeepseekDecoderLayer(DecoderLayer):
@@ -159,7 +178,8 @@ def load_state_dict_files(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_deepseek(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekForCausalLM:
-    """A DeepseekForCausalLM in eval mode with the weights of an HF-layout folder (config.json + safetensors)."""
+    """A DeepseekForCausalLM in eval mode with the weights of an HF-layout folder (config.json +
+    safetensors)."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise AscqError(f"{model_dir}: config.json is missing")

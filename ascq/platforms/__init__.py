@@ -1,6 +1,7 @@
-"""Devices, one `Platform` each (vLLM's `vllm/platforms`): device selection and availability, where tensors live,
-the default compute dtype, the distributed backend, graph capture and memory queries. Nothing else in ascq tests a
-device name or imports torch_npu; the kernels' backend folders are the only other device-specific code."""
+"""Devices, one `Platform` each (vLLM's `vllm/platforms`): device selection and availability, where tensors
+live, the default compute dtype, the distributed backend, graph capture and memory queries. Nothing else in
+ascq tests a device name or imports torch_npu; the kernels' backend folders are the only other device-specific
+code."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ from ascq.platforms.npu import NpuPlatform
 # device names a user can pass (--device): `reference` is the CPU with the plain-torch kernel backend
 DEVICES = ("cpu", "reference", "cuda", "npu")
 CALIBRATION_DEVICES = ("cpu", "cuda", "npu")  # where `ascq convert --device` runs its calibration forwards
-_PLATFORMS: dict[str, Platform] = {"cpu": CpuPlatform("cpu"), "reference": CpuPlatform("reference"),
-                                   "cuda": CudaPlatform(), "npu": NpuPlatform()}
+_PLATFORMS: dict[str, Platform] = {
+    "cpu": CpuPlatform("cpu"),
+    "reference": CpuPlatform("reference"),
+    "cuda": CudaPlatform(),
+    "npu": NpuPlatform(),
+}
 
 
 def device_kind(device: str | torch.device) -> str:
-    """"cpu", "reference", "cuda" or "npu" of a device name ("cuda:1" -> "cuda") or torch.device."""
+    """ "cpu", "reference", "cuda" or "npu" of a device name ("cuda:1" -> "cuda") or torch.device."""
     return device.type if isinstance(device, torch.device) else str(device).split(":")[0]
 
 

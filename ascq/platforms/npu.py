@@ -1,5 +1,5 @@
-"""Ascend NPUs through torch_npu (HCCL between ranks, NPU graphs for decode). torch_npu is imported on first use
-only: `import ascq` and every command without `--device npu` work where it is absent. Written against the
+"""Ascend NPUs through torch_npu (HCCL between ranks, NPU graphs for decode). torch_npu is imported on first
+use only: `import ascq` and every command without `--device npu` work where it is absent. Written against the
 documented torch_npu 2.13 API; executed here only on the CPU emulator in tests/npu_emulation."""
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Per-architecture knowledge the streaming converter needs: build one decoder layer, run it, and the smoothing /
-balance mappings SmoothQuant and AWQ read (data, in llm-compressor's shape: smooth_layer -> balance_layers).
+"""Per-architecture knowledge the streaming converter needs: build one decoder layer, run it, and the
+smoothing / balance mappings SmoothQuant and AWQ read (data, in llm-compressor's shape: smooth_layer ->
+balance_layers).
 
-Every family runs ascq's plain-PyTorch reference layer (`ascq.models.decoder.DecoderLayer`; DeepSeek-MoE v1 with
-`ascq.models.deepseek_moe.DeepseekMoE` as its MLP), which shares RMSNorm, rotary, router and attention with the
-runtime; transformers stays the Llama reference in the tests. Everything keeps Hugging Face names.
+Every family runs ascq's plain-PyTorch reference layer (`ascq.models.decoder.DecoderLayer`; DeepSeek-MoE v1
+with `ascq.models.deepseek_moe.DeepseekMoE` as its MLP), which shares RMSNorm, rotary, router and attention
+with the runtime; transformers stays the Llama reference in the tests. Everything keeps Hugging Face names.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 
 @dataclasses.dataclass(frozen=True)
 class BalanceMapping:
-    """`smooth_layer` produces the input that every `balance_layers` linear reads (llm-compressor's AWQMapping /
-    SmoothQuant mapping). Names are module names relative to the decoder layer, or `re:` regexes (full match).
-    A smooth layer that matches several modules (every expert's up_proj) pairs with the balance layers under its
-    own parent module. `exact_layers` read the same output but stay full precision (the MoE router): they are
-    compensated too, so the scales must be powers of two (exact in any float dtype)."""
+    """`smooth_layer` produces the input that every `balance_layers` linear reads (llm-compressor's AWQMapping
+    / SmoothQuant mapping). Names are module names relative to the decoder layer, or `re:` regexes (full
+    match). A smooth layer that matches several modules (every expert's up_proj) pairs with the balance layers
+    under its own parent module. `exact_layers` read the same output but stay full precision (the MoE router):
+    they are compensated too, so the scales must be powers of two (exact in any float dtype)."""
 
     smooth_layer: str
     balance_layers: tuple[str, ...]
@@ -39,8 +40,8 @@ class BalanceMapping:
 
 @dataclasses.dataclass(frozen=True)
 class BalanceGroup:
-    """One mapping resolved in one layer. `block`: the module whose output AWQ's scale search compares (the lowest
-    common parent of the balance layers, the linear itself when there is one)."""
+    """One mapping resolved in one layer. `block`: the module whose output AWQ's scale search compares (the
+    lowest common parent of the balance layers, the linear itself when there is one)."""
 
     smooth_layer: str
     balance_layers: list[str]
@@ -59,17 +60,21 @@ LLAMA_MAPPINGS = (
 _EXPERT = r"mlp\.(?:experts\.\d+|shared_experts)"
 DEEPSEEK_MOE_MAPPINGS = (
     *LLAMA_MAPPINGS[:2],
-    # one group for the routed and shared experts (judged on the whole MoE block); the router reads the same norm
-    BalanceMapping("post_attention_layernorm", (rf"re:{_EXPERT}\.(?:gate|up)_proj",), exact_layers=("mlp.gate",)),
+    # one group for the routed and shared experts (judged on the whole MoE block); the router reads the same
+    # norm
+    BalanceMapping(
+        "post_attention_layernorm", (rf"re:{_EXPERT}\.(?:gate|up)_proj",), exact_layers=("mlp.gate",)
+    ),
     BalanceMapping(rf"re:{_EXPERT}\.up_proj", (rf"re:{_EXPERT}\.down_proj",)),
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerBlock:
-    """One residual half of a decoder layer (`DecoderLayer.attention_block` / `mlp_block`): the modules it runs
-    (names relative to the layer, with everything under them). The converter calibrates, quantizes and propagates
-    one block at a time, so the MLP half is calibrated on what the quantized attention half produces."""
+    """One residual half of a decoder layer (`DecoderLayer.attention_block` / `mlp_block`): the modules it
+    runs (names relative to the layer, with everything under them). The converter calibrates, quantizes and
+    propagates one block at a time, so the MLP half is calibrated on what the quantized attention half
+    produces."""
 
     name: str  # "attention" or "mlp"
     modules: tuple[str, ...]
@@ -89,9 +94,11 @@ def module_matches(pattern: str, name: str) -> bool:
     return re.fullmatch(pattern[3:], name) is not None if pattern.startswith("re:") else name == pattern
 
 
-def resolve_mappings(layer: nn.Module, mappings: tuple[BalanceMapping, ...] | list[BalanceMapping]) -> list[BalanceGroup]:
-    """The balance groups of one layer, in mapping order; a producer whose output width differs from its balance
-    layers' input width (v_proj -> o_proj under GQA) gives a group with a `skip_reason`."""
+def resolve_mappings(
+    layer: nn.Module, mappings: tuple[BalanceMapping, ...] | list[BalanceMapping]
+) -> list[BalanceGroup]:
+    """The balance groups of one layer, in mapping order; a producer whose output width differs from its
+    balance layers' input width (v_proj -> o_proj under GQA) gives a group with a `skip_reason`."""
     modules = dict(layer.named_modules())
     groups = []
     for mapping in mappings:
@@ -103,7 +110,9 @@ def resolve_mappings(layer: nn.Module, mappings: tuple[BalanceMapping, ...] | li
             if not balance:
                 continue
             producer, skip = modules[smooth], None
-            if isinstance(producer, nn.Linear) and any(producer.out_features != modules[n].in_features for n in balance):
+            if isinstance(producer, nn.Linear) and any(
+                producer.out_features != modules[n].in_features for n in balance
+            ):
                 skip = "shapes differ: GQA"
             groups.append(BalanceGroup(smooth, balance, exact, _common_parent(balance), skip))
     return groups
@@ -143,17 +152,25 @@ class Architecture:
         raise NotImplementedError
 
     def forward_layer(
-        self, layer: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, kv_hook: KVHook | None = None
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_hook: KVHook | None = None,
     ) -> torch.Tensor:
         """One decoder layer on hidden [batch, seq, hidden] at position_ids [1 or batch, seq]."""
         return layer(hidden, position_ids, kv_hook)
 
     def forward_block(
-        self, layer: nn.Module, block: LayerBlock | None, hidden: torch.Tensor, position_ids: torch.Tensor,
+        self,
+        layer: nn.Module,
+        block: LayerBlock | None,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
         kv_hook: KVHook | None = None,
     ) -> torch.Tensor:
-        """One residual half (`DECODER_BLOCKS`) of a decoder layer, the two in order equal to `forward_layer`; None:
-        the whole layer."""
+        """One residual half (`DECODER_BLOCKS`) of a decoder layer, the two in order equal to `forward_layer`;
+        None: the whole layer."""
         if block is None:
             return self.forward_layer(layer, hidden, position_ids, kv_hook)
         if block.name == "attention":
@@ -167,7 +184,9 @@ class Architecture:
         try:
             layer.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:
-            raise AscqError(f"layer {index}: checkpoint tensors do not match the config: {str(exc).splitlines()[0]}") from None
+            raise AscqError(
+                f"layer {index}: checkpoint tensors do not match the config: {str(exc).splitlines()[0]}"
+            ) from None
         return layer.eval()
 
     def balance_mappings(self, index: int) -> tuple[BalanceMapping, ...]:

@@ -8,8 +8,8 @@ The scales are then folded into the producer of the group's input (the RMSNorm w
 rows), which leaves the full-precision function unchanged. The clip search then shrinks each weight group's
 range by up to 50% and keeps the shrink that minimises that group's partial-output MSE.
 
-`fake_quantize` is the caller's quantize-dequantize of a weight matrix (the recipe's scheme); the functions here
-only search and fold.
+`fake_quantize` is the caller's quantize-dequantize of a weight matrix (the recipe's scheme); the functions
+here only search and fold.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 FakeQuantize = Callable[[torch.Tensor], torch.Tensor]
-CLIP_STACK_ELEMENTS = 8 << 20  # weight elements quantized per call of the clip search (shrink steps stacked as rows)
+CLIP_STACK_ELEMENTS = (
+    8 << 20
+)  # weight elements quantized per call of the clip search (shrink steps stacked as rows)
 
 
 @dataclasses.dataclass
@@ -33,8 +35,8 @@ class AWQSearchConfig:
     max_clip_tokens: int = 512  # tokens sampled for the clip search
     max_search_tokens: int = 4096  # calibration tokens the α search runs its block on (mean |x| uses all)
     group_size: int = 128
-    # also score s = 1 (no smoothing; reported as α None): the modifier sets it where the weights already lie on
-    # the quantization grid (a GGUF source kept by float zero points), which any other s moves them off
+    # also score s = 1 (no smoothing; reported as α None): the modifier sets it where the weights already lie
+    # on the quantization grid (a GGUF source kept by float zero points), which any other s moves them off
     identity_candidate: bool = False
     # > 0: the block loss judges only this many grid points, those with the smallest loss of the linears' own
     # outputs (the Gram loss, no forward); 0: every grid point runs the block
@@ -67,7 +69,8 @@ def weight_mean(weights: Sequence[torch.Tensor], group_size: int) -> torch.Tenso
 
 
 def _group(in_features: int, group_size: int) -> int:
-    """The caller passes the linear's own group size (`qmath.linear_group_size`; in_features when per channel)."""
+    """The caller passes the linear's own group size (`qmath.linear_group_size`; in_features when per
+    channel)."""
     if in_features % group_size:
         raise ValueError(f"AWQ: in_features {in_features} is not a multiple of group_size {group_size}")
     return group_size
@@ -83,8 +86,9 @@ def duo_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float) 
 
 
 def power_of_two(scales: torch.Tensor) -> torch.Tensor:
-    """Scales rounded to the nearest power of two (in log space): multiplying or dividing a float by them is exact,
-    so a full-precision consumer folded with them (the MoE router) computes bit for bit what it did before."""
+    """Scales rounded to the nearest power of two (in log space): multiplying or dividing a float by them is
+    exact, so a full-precision consumer folded with them (the MoE router) computes bit for bit what it did
+    before."""
     return torch.exp2(torch.log2(scales).round())
 
 
@@ -101,45 +105,60 @@ def search_scales(
 ) -> tuple[torch.Tensor, float | None, list[float]]:
     """Best per-input-channel scales for `linears` (which all read the same input, of mean |x| `x_mean`).
 
-    `exact`: every candidate is rounded to powers of two (`power_of_two`), for groups whose producer also feeds a
-    linear that stays full precision.
+    `exact`: every candidate is rounded to powers of two (`power_of_two`), for groups whose producer also
+    feeds a linear that stays full precision.
 
     `block_output()` runs the computation that contains the linears (e.g. the attention or MLP module) on the
     calibration input with the linears' current weights. Returns (scales [in], best α, loss per judged α); the
     linears' weights are restored before returning. `fake_quantize` may be one function or one per linear.
 
     `gram`: their shared input's xᵀx / n, for the loss of the linears' own outputs: mean((x·Dᵀ)²) of a weight
-    change D (the linears' changes stacked as rows) is Σ (D·G) ⊙ D / out, without running anything (out · in² instead
-    of n · out · in multiply-adds per grid point; equal up to float rounding). With `gram` alone that loss judges
-    (exact when the block is one linear); with both, it only shortlists the `config.shortlist` best grid points for
-    the block loss (all of them when shortlist is 0). `rows_independent`: every quantizer treats each row on its own,
-    so the scaled weights of several grid points are stacked as rows and quantized in one call.
+    change D (the linears' changes stacked as rows) is Σ (D·G) ⊙ D / out, without running anything (out · in²
+    instead of n · out · in multiply-adds per grid point; equal up to float rounding). With `gram` alone that
+    loss judges (exact when the block is one linear); with both, it only shortlists the `config.shortlist`
+    best grid points for the block loss (all of them when shortlist is 0). `rows_independent`: every quantizer
+    treats each row on its own, so the scaled weights of several grid points are stacked as rows and quantized
+    in one call.
     """
     if block_output is None and gram is None:
         raise ValueError("AWQ: search_scales needs block_output or gram")
     quantizers = [fake_quantize] * len(linears) if callable(fake_quantize) else list(fake_quantize)
     w_mean = weight_mean([lin.weight for lin in linears], config.group_size) if config.duo_scaling else None
-    candidates = [(None, torch.ones_like(x_mean))] if config.identity_candidate else []  # s = 1, reported as α None
-    candidates += [(step / config.num_grid, duo_scales(x_mean, w_mean, step / config.num_grid)) for step in range(config.num_grid)]
+    candidates = (
+        [(None, torch.ones_like(x_mean))] if config.identity_candidate else []
+    )  # s = 1, reported as α None
+    candidates += [
+        (step / config.num_grid, duo_scales(x_mean, w_mean, step / config.num_grid))
+        for step in range(config.num_grid)
+    ]
     if exact:
         candidates = [(alpha, power_of_two(scales)) for alpha, scales in candidates]
     originals = [lin.weight.data.clone() for lin in linears]
 
     def linear_loss() -> float:
-        change = torch.cat([lin.weight.float() - w.float() for lin, w in zip(linears, originals, strict=True)])
+        change = torch.cat(
+            [lin.weight.float() - w.float() for lin, w in zip(linears, originals, strict=True)]
+        )
         return ((change @ gram) * change).sum().item() / change.shape[0]
 
     reference = block_output().float() if block_output is not None else None
     try:
         if gram is not None and (block_output is None or 0 < config.shortlist < len(candidates)):
-            losses = _candidate_losses(candidates, linears, originals, quantizers, linear_loss, rows_independent)
+            losses = _candidate_losses(
+                candidates, linears, originals, quantizers, linear_loss, rows_independent
+            )
             if block_output is not None:
                 best_first = sorted(range(len(candidates)), key=losses.__getitem__)
                 candidates = [candidates[i] for i in sorted(best_first[: config.shortlist])]
         if block_output is not None:
-            losses = _candidate_losses(candidates, linears, originals, quantizers,
-                                       lambda: (block_output().float() - reference).pow(2).mean().item(),
-                                       rows_independent)
+            losses = _candidate_losses(
+                candidates,
+                linears,
+                originals,
+                quantizers,
+                lambda: (block_output().float() - reference).pow(2).mean().item(),
+                rows_independent,
+            )
     finally:
         for lin, w in zip(linears, originals, strict=True):
             lin.weight.data = w
@@ -158,7 +177,8 @@ def _candidate_losses(
     loss: Callable[[], float],
     rows_independent: bool,
 ) -> list[float]:
-    """`loss()` with each candidate's fake-quantized weights Q(W·s)/s set on `linears` (left set on return)."""
+    """`loss()` with each candidate's fake-quantized weights Q(W·s)/s set on `linears` (left set on
+    return)."""
     largest = max(w.numel() for w in originals)
     per_call = max(1, CLIP_STACK_ELEMENTS // largest) if rows_independent else 1
     losses = []
@@ -166,7 +186,10 @@ def _candidate_losses(
         chunk = candidates[first : first + per_call]
         stacked = torch.stack([scales for _, scales in chunk])[:, None, :]  # [k, 1, in]
         quantized = [
-            (quantize((w.float()[None] * stacked).view(-1, w.shape[1])).view(len(chunk), *w.shape) / stacked).to(w.dtype)
+            (
+                quantize((w.float()[None] * stacked).view(-1, w.shape[1])).view(len(chunk), *w.shape)
+                / stacked
+            ).to(w.dtype)
             for w, quantize in zip(originals, quantizers, strict=True)
         ]
         for index in range(len(chunk)):
@@ -214,14 +237,15 @@ def search_clip(
     config: AWQSearchConfig,
     rows_independent: bool = False,
 ) -> torch.Tensor:
-    """Per (output row, group) clip bound max|w| · (1 - shrink), shrink in {0, max_shrink/steps, ..., max_shrink}.
+    """Per (output row, group) clip bound max|w| · (1 - shrink), shrink in {0, max_shrink/steps, ...,
+    max_shrink}.
 
-    Each group's bound minimises the MSE of its partial output x_g · w_gᵀ over the sampled tokens `x`: with
-    d = q_g - w_g that is d · H_g · dᵀ / n, H_g = x_gᵀ x_g, evaluated from the per-group Gram matrices when a group
-    is shorter than the token count (out · in · s multiply-adds per step instead of n · out · in, and no
-    [n, out, groups] temporaries). `rows_independent`: `fake_quantize` treats every row on its own (per-channel or
-    per-group parameters), so several shrink steps are stacked as extra rows and quantized in one call.
-    Returns max_val [out, num_groups].
+    Each group's bound minimises the MSE of its partial output x_g · w_gᵀ over the sampled tokens `x`: with d
+    = q_g - w_g that is d · H_g · dᵀ / n, H_g = x_gᵀ x_g, evaluated from the per-group Gram matrices when a
+    group is shorter than the token count (out · in · s multiply-adds per step instead of n · out · in, and no
+    [n, out, groups] temporaries). `rows_independent`: `fake_quantize` treats every row on its own
+    (per-channel or per-group parameters), so several shrink steps are stacked as extra rows and quantized in
+    one call. Returns max_val [out, num_groups].
     """
     w = weight.float()
     out_dim, in_dim = w.shape

@@ -1,29 +1,31 @@
 """`AWQModifier`: AWQ scale search + clip search per decoder layer, then (with a scheme) round-to-nearest.
 
-Balance groups: the architecture's mappings (`architectures.LLAMA_MAPPINGS`, `DEEPSEEK_MOE_MAPPINGS`), in order
-(AutoAWQ's, with MoE handled as one group per norm); each group's scales are judged on its block's output:
-  input_layernorm -> q, k, v (judged on the attention output);
-  v_proj -> o_proj, only when their shapes match (skipped under GQA, as AutoAWQ does);
-  post_attention_layernorm -> gate/up of the MLP, or of every routed and shared expert together (judged on the
-  whole MoE block output; the router reads the same norm and stays full precision, so its weight is multiplied by
-  the scales too, which are then powers of two: norm and router weights are rescaled exactly in any float dtype
-  and the router's logits, hence the routing, are bit for bit those of the source checkpoint);
-  up_proj -> down_proj for the dense MLP, each routed expert and the shared experts.
-A group whose linears are re-quantized onto the grid their source checkpoint was quantized on
-(`qmath.keeps_source_grid`: a GGUF Q4_1 / K-quant import at its block size with float zero points) keeps s = 1:
-round-to-nearest already gives back the source's weights and any scaling moves them off that grid (on SmolLM2's
-Q4_1 import the search's one non-identity pick, α = 0.95 in one layer, lowered the calibration loss and raised the
-held-out perplexity); the clip search still runs there. Experts with fewer routed calibration tokens than
-`min_expert_tokens` are calibrated on all tokens passed through them densely (`moe_coverage`). After the scales,
-the clip search runs on every quantized linear except q/k.
+Balance groups: the architecture's mappings (`architectures.LLAMA_MAPPINGS`, `DEEPSEEK_MOE_MAPPINGS`), in
+order (AutoAWQ's, with MoE handled as one group per norm); each group's scales are judged on its block's
+output:
+- input_layernorm -> q, k, v (judged on the attention output);
+- v_proj -> o_proj, only when their shapes match (skipped under GQA, as AutoAWQ does);
+- post_attention_layernorm -> gate/up of the MLP, or of every routed and shared expert together (judged on the
+  whole MoE block output; the router reads the same norm and stays full precision, so its weight is multiplied
+  by the scales too, which are then powers of two: norm and router weights are rescaled exactly in any float
+  dtype and the router's logits, hence the routing, are bit for bit those of the source checkpoint);
+- up_proj -> down_proj for the dense MLP, each routed expert and the shared experts.
 
-Recipe (llm-compressor's shape): `AWQModifier: {scheme: W4A16_ASYM, ignore: [...], duo_scaling: true, n_grid: 20}`;
-ascq's own keys: `clip_search`, `max_shrink`, `clip_steps`, `min_expert_tokens`, `max_search_tokens`, `search_loss`
-(`block`: each group judged on its block's output as above; `linear`: on its linears' own outputs, see SEARCH_LOSSES),
-`shortlist` (with the block loss: only the K grid points best by the linears' own outputs run the block; not for the
-MoE expert group, which is judged on every grid point).
-Without `scheme`/`config_groups` it only transforms the weights, and a later quantizing modifier (GPTQ, RTN) owns
-the targets; the search then fake-quantizes with that modifier's scheme.
+A group whose linears are re-quantized onto the grid their source checkpoint was quantized on
+(`qmath.keeps_source_grid`: a GGUF Q4_1 / K-quant import at its block size with float zero points) keeps
+s = 1: round-to-nearest already gives back the source's weights and any scaling moves them off that grid (on
+SmolLM2's Q4_1 import the search's one non-identity pick lowered the calibration loss and raised the held-out
+perplexity); the clip search still runs there. Experts with fewer routed calibration tokens than
+`min_expert_tokens` are calibrated on all tokens passed through them densely (`moe_coverage`). After the
+scales, the clip search runs on every quantized linear except q/k.
+
+Recipe (llm-compressor's shape): `AWQModifier: {scheme: W4A16_ASYM, ignore: [...], duo_scaling: true, n_grid:
+20}`; ascq's own keys: `clip_search`, `max_shrink`, `clip_steps`, `min_expert_tokens`, `max_search_tokens`,
+`search_loss` (`block`: each group judged on its block's output as above; `linear`: on its linears' own
+outputs, see SEARCH_LOSSES), `shortlist` (with the block loss: only the K grid points best by the linears' own
+outputs run the block; not for the MoE expert group, which is judged on every grid point). Without
+`scheme`/`config_groups` it only transforms the weights, and a later quantizing modifier (GPTQ, RTN) owns the
+targets; the search then fake-quantizes with that modifier's scheme.
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ ARGS = {
     "shortlist": int,
     "zp_dtype": str,
 }
-# what a group's α is judged on: its block's output (AutoAWQ, llm-compressor), or its linears' own outputs (the AWQ
-# paper's objective; a Gram-matrix loss over every calibration token, no forward per grid point; not for the MoE
-# expert group, whose experts read different routed tokens)
+# what a group's α is judged on: its block's output (AutoAWQ, llm-compressor), or its linears' own outputs
+# (the AWQ paper's objective; a Gram-matrix loss over every calibration token, no forward per grid point; not
+# for the MoE expert group, whose experts read different routed tokens)
 SEARCH_LOSSES = ("block", "linear")
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # AutoAWQ: clipping q/k hurts the attention scores
 
@@ -102,11 +104,20 @@ class AWQModifier(Modifier):
         scheme = parse_recipe_scheme(cls.name, args)
         loss = args.get("search_loss", "block")
         if loss not in SEARCH_LOSSES:
-            raise RecipeError(f"{cls.name}: search_loss must be one of {', '.join(SEARCH_LOSSES)}, got {loss!r}")
+            raise RecipeError(
+                f"{cls.name}: search_loss must be one of {', '.join(SEARCH_LOSSES)}, got {loss!r}"
+            )
         if loss == "linear" and "shortlist" in args:
-            raise RecipeError(f"{cls.name}: shortlist shortens the block loss's grid; search_loss linear has none")
-        return cls(scheme, search, args.get("clip_search", True), args.get("min_expert_tokens", DEFAULT_MIN_TOKENS),
-                   loss == "linear")
+            raise RecipeError(
+                f"{cls.name}: shortlist shortens the block loss's grid; search_loss linear has none"
+            )
+        return cls(
+            scheme,
+            search,
+            args.get("clip_search", True),
+            args.get("min_expert_tokens", DEFAULT_MIN_TOKENS),
+            loss == "linear",
+        )
 
     def quant_scheme(self) -> RecipeScheme | None:
         return self.scheme
@@ -122,11 +133,17 @@ class AWQModifier(Modifier):
         inputs = {name: cap.inputs(name) for name in capture_names}
         for expert in (e for e in experts if coverage.needs_dense(e)):
             dense = dense_mlp_inputs(ctx.module(expert), inputs["mlp"])
-            inputs.update({f"{expert}.{proj}": x for proj, x in dense.items() if f"{expert}.{proj}" in inputs})
-        report: dict[str, Any] = ctx.report.setdefault("awq", {"alpha": {}, "skipped": []})  # shared by the blocks
+            inputs.update(
+                {f"{expert}.{proj}": x for proj, x in dense.items() if f"{expert}.{proj}" in inputs}
+            )
+        report: dict[str, Any] = ctx.report.setdefault(
+            "awq", {"alpha": {}, "skipped": []}
+        )  # shared by the blocks
         for group in groups:
             if group.skip_reason is not None:
-                report["skipped"].append(f"{group.smooth_layer}->{group.balance_layers[0]} ({group.skip_reason})")
+                report["skipped"].append(
+                    f"{group.smooth_layer}->{group.balance_layers[0]} ({group.skip_reason})"
+                )
                 continue
             block = group.block if isinstance(ctx.module(group.block), nn.Linear) else None
             x = inputs[group.block]
@@ -134,7 +151,9 @@ class AWQModifier(Modifier):
                 report["skipped"].append(f"{group.smooth_layer}->{group.balance_layers[0]} (no tokens)")
                 continue
             scales = self._balance(ctx, group, x, None if block else cap.calls[group.block], report)
-            divided: dict[tuple, list[torch.Tensor]] = {}  # linears reading the same tensors share one divided copy
+            divided: dict[
+                tuple, list[torch.Tensor]
+            ] = {}  # linears reading the same tensors share one divided copy
             for name in group.balance_layers:
                 key = tuple((t.data_ptr(), t.shape) for t in inputs[name])
                 if key not in divided:
@@ -156,10 +175,17 @@ class AWQModifier(Modifier):
         args = ctx.targets[name].weights
         in_features = ctx.module(name).weight.shape[1]
         group = args.group_size if args.strategy == "group" and args.group_size else in_features
-        return dataclasses.replace(self.search, group_size=group, identity_candidate=qmath.float_zero_point(args))
+        return dataclasses.replace(
+            self.search, group_size=group, identity_candidate=qmath.float_zero_point(args)
+        )
 
     def _balance(
-        self, ctx: LayerContext, group: BalanceGroup, x: list[torch.Tensor], calls: list | None, report: dict[str, Any]
+        self,
+        ctx: LayerContext,
+        group: BalanceGroup,
+        x: list[torch.Tensor],
+        calls: list | None,
+        report: dict[str, Any],
     ) -> torch.Tensor:
         """Search and fold the scales of one balance group on its block input `x`; returns them (ones when the
         group is skipped). `calls`: the block's recorded calls (None when the block is one linear)."""
@@ -168,7 +194,9 @@ class AWQModifier(Modifier):
         if not all(n in ctx.targets for n in linears):
             report["skipped"].append(f"{group.smooth_layer} (not every linear is quantized)")
             return ones
-        if all(ctx.keeps_source_grid(n) for n in linears):  # any s != 1 moves the weights off the source's grid
+        if all(
+            ctx.keeps_source_grid(n) for n in linears
+        ):  # any s != 1 moves the weights off the source's grid
             report["skipped"].append(f"{group.smooth_layer} (weights on the source's quantization grid)")
             return ones
         modules = [ctx.module(n) for n in linears]
@@ -178,7 +206,9 @@ class AWQModifier(Modifier):
         block_output = None
         if calls is None:  # a single linear: its input rows are independent, sample them
             xs = awq.sample_tokens(_flat_cat(x), budget)
-            if modules == [block_module] and xs.shape[0] > xs.shape[1]:  # the loss follows from the weight change
+            if (
+                modules == [block_module] and xs.shape[0] > xs.shape[1]
+            ):  # the loss follows from the weight change
                 gram = xs.t() @ xs / xs.shape[0]
             else:
                 block_output = lambda: block_module(xs)  # noqa: E731
@@ -216,13 +246,17 @@ class AWQModifier(Modifier):
             linear = ctx.module(name)
             config = self._search_config(ctx, name)
             rows_independent = ctx.targets[name].weights.strategy in ("channel", "group")
-            max_val = awq.search_clip(linear.weight, _flat_cat(x), self._fake_quantize(ctx, name), config, rows_independent)
+            max_val = awq.search_clip(
+                linear.weight, _flat_cat(x), self._fake_quantize(ctx, name), config, rows_independent
+            )
             awq.apply_clip(linear, max_val)
 
     def _quantize(self, ctx: LayerContext) -> None:
         for name, target in ctx.targets.items():
             if target.owner is self.scheme and name not in ctx.results:
-                q, scale, zero_point = observer.quantize_weight(ctx.module(name).weight, target.weights, ctx.scale_dtype)
+                q, scale, zero_point = observer.quantize_weight(
+                    ctx.module(name).weight, target.weights, ctx.scale_dtype
+                )
                 ctx.results[name] = QuantizedLinear(q, scale, zero_point)
 
     def summary(self) -> dict[str, Any]:

@@ -1,7 +1,9 @@
-"""Calibration token blocks from a dataset: a local text/json/jsonl/parquet file or folder, or a Hub dataset id.
+"""Calibration token blocks from a dataset: a local text/json/jsonl/parquet file or folder, or a Hub dataset
+id.
 
-Loaded with the `datasets` library, tokenized, concatenated (eos between documents), packed into `seq_len`-token
-blocks; the first `num_samples` blocks are used. Default: the fixture corpus's calibration slice bundled with ascq.
+Loaded with the `datasets` library, tokenized, concatenated (eos between documents), packed into
+`seq_len`-token blocks; the first `num_samples` blocks are used. Default: the fixture corpus's calibration
+slice bundled with ascq.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout):
+        with socket.create_connection(
+            (url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout
+        ):
             return True
     except OSError:
         return False
@@ -75,23 +79,35 @@ def load_texts(source: str | Path | None) -> tuple[str, list[str]]:
         elif path.suffix in BUILDERS or source.startswith((".", "/")):
             raise AscqError(f"calibration data {source} does not exist")
         elif not hub_reachable():
-            raise AscqError(f"calibration dataset {source!r} is not a local path and the Hugging Face Hub is unreachable (offline?)")
+            raise AscqError(
+                f"calibration dataset {source!r} is not a local path and the Hugging Face Hub is "
+                f"unreachable (offline?)"
+            )
         else:
             data = datasets.load_dataset(source, split="train")
     except AscqError:
         raise
     except Exception as exc:  # datasets raises many types (connection, format, missing file)
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise AscqError(f"cannot load calibration dataset {source!r} (a local file/folder, or a Hub id when online): {first}") from None
-    column = "text" if "text" in data.column_names else next(
-        (c for c, f in data.features.items() if getattr(f, "dtype", None) == "string"), None
+        raise AscqError(
+            f"cannot load calibration dataset {source!r} (a local file/folder, or a Hub id when online): "
+            f"{first}"
+        ) from None
+    column = (
+        "text"
+        if "text" in data.column_names
+        else next((c for c, f in data.features.items() if getattr(f, "dtype", None) == "string"), None)
     )
     if column is None:
-        raise AscqError(f"calibration dataset {source}: no text column (columns: {', '.join(data.column_names)})")
+        raise AscqError(
+            f"calibration dataset {source}: no text column (columns: {', '.join(data.column_names)})"
+        )
     return portable_name(source), [t for t in data[column] if t]
 
 
-def pack_tokens(token_lists: list[list[int]], eos_id: int | None, seq_len: int, num_samples: int) -> torch.Tensor:
+def pack_tokens(
+    token_lists: list[list[int]], eos_id: int | None, seq_len: int, num_samples: int
+) -> torch.Tensor:
     """Concatenate documents (eos after each) and cut `num_samples` blocks of `seq_len` tokens."""
     stream: list[int] = []
     need = seq_len * num_samples
@@ -103,9 +119,16 @@ def pack_tokens(token_lists: list[list[int]], eos_id: int | None, seq_len: int, 
             break
     num_blocks = min(num_samples, len(stream) // seq_len)
     if num_blocks == 0:
-        raise AscqError(f"calibration data has {len(stream)} tokens, fewer than one block of --seq-len {seq_len}")
+        raise AscqError(
+            f"calibration data has {len(stream)} tokens, fewer than one block of --seq-len {seq_len}"
+        )
     if num_blocks < num_samples:
-        log.warning("calibration data gives only %d blocks of %d tokens (asked for %d)", num_blocks, seq_len, num_samples)
+        log.warning(
+            "calibration data gives only %d blocks of %d tokens (asked for %d)",
+            num_blocks,
+            seq_len,
+            num_samples,
+        )
     return torch.tensor(stream[: num_blocks * seq_len], dtype=torch.long).view(num_blocks, seq_len)
 
 
@@ -116,7 +139,9 @@ def load_calibration(source: str | Path | None, tokenizer, num_samples: int, seq
     token_lists = []
     total = 0
     for text in texts:  # tokenize lazily: stop once there are enough tokens
-        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # no "longer than" warning
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)[
+            "input_ids"
+        ]  # no "longer than" warning
         token_lists.append(ids)
         total += len(ids) + 1
         if total >= num_samples * seq_len:

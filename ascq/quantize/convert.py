@@ -1,4 +1,5 @@
-"""`ascq convert`: a Hugging Face checkpoint + recipes -> a compressed-tensors zoo entry, written atomically."""
+"""`ascq convert`: a Hugging Face checkpoint + recipes -> a compressed-tensors zoo entry, written
+atomically."""
 
 from __future__ import annotations
 
@@ -42,9 +43,18 @@ from ascq.quantize.recipe import ComposedRecipe, load_recipes
 
 FORMATS = ("compressed-tensors", "msmodelslim")
 COPIED_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json", "LICENSE", "README.md",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "LICENSE",
+    "README.md",
+)
 
 
 @dataclasses.dataclass
@@ -58,12 +68,18 @@ class ConvertOptions:
     device: str = "cpu"
     format: str = "compressed-tensors"
     eval_text: Path | None = None
-    max_eval_tokens: int | None = DEFAULT_MAX_EVAL_TOKENS  # perplexity before/after on the eval text's first N tokens (None: all of it)
-    evaluate: bool = True  # False: no perplexity before/after (two forwards of every layer over the eval tokens)
+    max_eval_tokens: int | None = (
+        DEFAULT_MAX_EVAL_TOKENS  # perplexity before/after on the eval text's first N tokens (None: all of it)
+    )
+    evaluate: bool = (
+        True  # False: no perplexity before/after (two forwards of every layer over the eval tokens)
+    )
     max_shard_bytes: int = 1 << 30  # pending output is held in memory up to this size
     progress: bool = True
     overwrite: bool = False  # replace an existing entry at `out` (atomically; never the source)
-    calibration_dtype: str = "auto"  # the linears' products in the converter's forwards (`calibration_gemm_dtype`)
+    calibration_dtype: str = (
+        "auto"  # the linears' products in the converter's forwards (`calibration_gemm_dtype`)
+    )
 
     def __post_init__(self) -> None:
         if not self.recipes:
@@ -75,16 +91,21 @@ class ConvertOptions:
         if self.format not in FORMATS:
             raise UnsupportedError(f"--format {self.format!r}: supported: {', '.join(FORMATS)}")
         if self.max_eval_tokens is not None and self.max_eval_tokens < EVAL_SEQ_LEN:
-            raise AscqError(f"--max-eval-tokens must be >= {EVAL_SEQ_LEN} (one eval window), or 0 for the whole text")
+            raise AscqError(
+                f"--max-eval-tokens must be >= {EVAL_SEQ_LEN} (one eval window), or 0 for the whole text"
+            )
         check_calibration_dtype(self.calibration_dtype)
         if self.max_shard_bytes < 1:
             raise AscqError("--max-shard-size must be positive")
-        if not self.evaluate and (self.eval_text is not None or self.max_eval_tokens != DEFAULT_MAX_EVAL_TOKENS):
+        if not self.evaluate and (
+            self.eval_text is not None or self.max_eval_tokens != DEFAULT_MAX_EVAL_TOKENS
+        ):
             raise AscqError("--eval-text / --max-eval-tokens and --no-eval contradict each other: give one")
 
 
 def resolve_model_dir(model: str) -> Path:
-    """A local checkpoint folder, a zoo entry name, or a Hub id downloaded through huggingface_hub (clear error when offline)."""
+    """A local checkpoint folder, a zoo entry name, or a Hub id downloaded through huggingface_hub (clear
+    error when offline)."""
     path = Path(model)
     if path.is_dir():
         return path
@@ -99,14 +120,19 @@ def resolve_model_dir(model: str) -> Path:
     if not hub_reachable():
         raise AscqError(f"{model} is not a local folder and the Hugging Face Hub is unreachable (offline?)")
     try:
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"]))
+        return Path(
+            snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
+        )
     except Exception as exc:  # offline, unknown repo, gated: all mean "cannot get it"
-        raise AscqError(f"cannot download {model} from the Hugging Face Hub ({type(exc).__name__}); pass a local folder") from None
+        raise AscqError(
+            f"cannot download {model} from the Hugging Face Hub ({type(exc).__name__}); pass a local folder"
+        ) from None
 
 
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process. Linux: VmHWM, because getrusage's ru_maxrss survives exec and so
-    reports the parent's RSS at fork when that was larger (a pytest parent, a shell that just wrote the model)."""
+    reports the parent's RSS at fork when that was larger (a pytest parent, a shell that just wrote the
+    model)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -156,8 +182,19 @@ def _convert(options: ConvertOptions) -> Path:
     with staged_entry(target) as staging:
         writer = _writer(options, staging, reader, arch.config)
         result = stream_convert(
-            reader, arch, recipe, calib.input_ids, staging, device, options.max_shard_bytes, eval_ids, options.progress,
-            writer, source_block_size(source), source_has_float_min(source), gemm_dtype,
+            reader,
+            arch,
+            recipe,
+            calib.input_ids,
+            staging,
+            device,
+            options.max_shard_bytes,
+            eval_ids,
+            options.progress,
+            writer,
+            source_block_size(source),
+            source_has_float_min(source),
+            gemm_dtype,
         )
         if options.format == "msmodelslim":
             writer.write_config(staging, arch.config)
@@ -167,15 +204,30 @@ def _convert(options: ConvertOptions) -> Path:
             if (model_dir / file).is_file():
                 shutil.copy2(model_dir / file, staging / file)
         metrics = _metrics(result, calib, eval_ids, eval_path, int(arch.config["vocab_size"]))
-        conversion = {"seconds": round(time.perf_counter() - start, 2), "peak_rss_bytes": peak_rss_bytes(),
-                      "device": device, "calibration_dtype": str(gemm_dtype).removeprefix("torch."),
-                      "num_layers": arch.num_layers, "source_bytes": reader.num_bytes}
-        write_manifest(staging, build_manifest(target.name, options, model_dir, source, recipe, calib, result, metrics, conversion))
+        conversion = {
+            "seconds": round(time.perf_counter() - start, 2),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "device": device,
+            "calibration_dtype": str(gemm_dtype).removeprefix("torch."),
+            "num_layers": arch.num_layers,
+            "source_bytes": reader.num_bytes,
+        }
+        write_manifest(
+            staging,
+            build_manifest(
+                target.name, options, model_dir, source, recipe, calib, result, metrics, conversion
+            ),
+        )
     return target
 
 
-def _metrics(result: StreamResult, calib: CalibrationSet, eval_ids: torch.Tensor | None, eval_path: Path | None,
-             vocab_size: int) -> dict[str, Any]:
+def _metrics(
+    result: StreamResult,
+    calib: CalibrationSet,
+    eval_ids: torch.Tensor | None,
+    eval_path: Path | None,
+    vocab_size: int,
+) -> dict[str, Any]:
     if result.perplexity is None:
         return {}
     from ascq.evaluate import unigram_perplexity
@@ -190,10 +242,18 @@ def _metrics(result: StreamResult, calib: CalibrationSet, eval_ids: torch.Tensor
 
 
 def build_manifest(
-    name: str, options: ConvertOptions, model_dir: Path, source: dict[str, Any] | None, recipe: ComposedRecipe,
-    calib: CalibrationSet, result: StreamResult, metrics: dict[str, Any], conversion: dict[str, Any],
+    name: str,
+    options: ConvertOptions,
+    model_dir: Path,
+    source: dict[str, Any] | None,
+    recipe: ComposedRecipe,
+    calib: CalibrationSet,
+    result: StreamResult,
+    metrics: dict[str, Any],
+    conversion: dict[str, Any],
 ) -> dict[str, Any]:
-    """The converted entry's `ascq.json` (files are hashed in by `write_manifest`); no absolute local paths."""
+    """The converted entry's `ascq.json` (files are hashed in by `write_manifest`); no absolute local
+    paths."""
     import transformers
 
     model = (source or {}).get("name") if source else portable_name(options.model)
@@ -245,7 +305,10 @@ def _tokenizer(model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as exc:  # missing/broken tokenizer files
-        raise AscqError(f"{model_dir}: cannot load its tokenizer ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise AscqError(
+            f"{model_dir}: cannot load its tokenizer ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
 
 
 def parse_size(text: str) -> int:
@@ -271,7 +334,9 @@ def format_summary(entry: Path) -> str:
     ]
     if metrics.get("perplexity"):
         delta = 100 * (metrics["perplexity"] / metrics["perplexity_base"] - 1)
-        lines.append(f"perplexity {metrics['perplexity_base']:.3f} -> {metrics['perplexity']:.3f} ({delta:+.2f}%)")
+        lines.append(
+            f"perplexity {metrics['perplexity_base']:.3f} -> {metrics['perplexity']:.3f} ({delta:+.2f}%)"
+        )
     lines += [group_size_fit_text(fit) for fit in conv.get("group_size_fits", []) if fit["group_size"]]
     if conv["group_size_fallbacks"]:
         lines.append(f"{len(conv['group_size_fallbacks'])} linears fell back to per-channel (see ascq.json)")

@@ -1,8 +1,9 @@
 """Write compressed-tensors checkpoints exactly as the pinned compressed-tensors library does.
 
 Each quantized linear goes through `ascq.formats.compressed_tensors.compress_linear` (the library's own
-compressor for its format), so bytes and tensor names follow the installed version. `config.json` gets its `quantization_config`
-from `ModelCompressor.update_config`. Tensors are written shard by shard as the layers stream through.
+compressor for its format), so bytes and tensor names follow the installed version. `config.json` gets its
+`quantization_config` from `ModelCompressor.update_config`. Tensors are written shard by shard as the layers
+stream through.
 """
 
 from __future__ import annotations
@@ -29,13 +30,17 @@ TESTED_COMPRESSED_TENSORS = "0.20.1"
 def check_library_version() -> None:
     if compressed_tensors.__version__ != TESTED_COMPRESSED_TENSORS:
         log.warning(
-            "compressed-tensors %s is installed; ascq's checkpoints are tested with %s (formats differ between "
-            "releases, e.g. asymmetric zero-point packing)", compressed_tensors.__version__, TESTED_COMPRESSED_TENSORS
+            "compressed-tensors %s is installed; ascq's checkpoints are tested with %s (formats differ "
+            "between "
+            "releases, e.g. asymmetric zero-point packing)",
+            compressed_tensors.__version__,
+            TESTED_COMPRESSED_TENSORS,
         )
 
 
 class ShardWriter:
-    """Collects tensors and writes a shard whenever `max_shard_bytes` is reached; `finish` names them HF-style."""
+    """Collects tensors and writes a shard whenever `max_shard_bytes` is reached; `finish` names them
+    HF-style."""
 
     def __init__(self, out_dir: Path, max_shard_bytes: int) -> None:
         self.out_dir = Path(out_dir)
@@ -54,8 +59,11 @@ class ShardWriter:
         if self.pending_bytes >= self.max_shard_bytes:
             self.flush()
 
-    def add_linear(self, name: str, target: LinearTarget, ql: QuantizedLinear, bias: torch.Tensor | None) -> None:
-        """A quantized linear's tensors under `name.` (the format hook: msmodelslim.MsModelSlimWriter overrides it)."""
+    def add_linear(
+        self, name: str, target: LinearTarget, ql: QuantizedLinear, bias: torch.Tensor | None
+    ) -> None:
+        """A quantized linear's tensors under `name.` (the format hook: msmodelslim.MsModelSlimWriter
+        overrides it)."""
         for key, tensor in ct.compress_linear(target.weights, target.input_activations, ql, bias).items():
             self.add(f"{name}.{key}", tensor)
 
@@ -69,17 +77,23 @@ class ShardWriter:
         self.pending, self.pending_bytes = {}, 0
 
     def finish(self, stem: str = "model") -> list[str]:
-        """Rename shards to `{stem}.safetensors` or `{stem}-0000i-of-0000n.safetensors` (+ index); the file names."""
+        """Rename shards to `{stem}.safetensors` or `{stem}-0000i-of-0000n.safetensors` (+ index); the file
+        names."""
         self.flush()
         single = len(self.shards) == 1
         weight_map, files = {}, []
         for i, (file, names) in enumerate(self.shards, start=1):
-            final = f"{stem}.safetensors" if single else f"{stem}-{i:05d}-of-{len(self.shards):05d}.safetensors"
+            final = (
+                f"{stem}.safetensors" if single else f"{stem}-{i:05d}-of-{len(self.shards):05d}.safetensors"
+            )
             (self.out_dir / file).rename(self.out_dir / final)
             weight_map.update(dict.fromkeys(names, final))
             files.append(final)
         if not single:
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            index = {
+                "metadata": {"total_size": self.total_bytes},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
             (self.out_dir / f"{stem}{INDEX_SUFFIX}").write_text(json.dumps(index, indent=2) + "\n")
         return files
 
@@ -87,7 +101,8 @@ class ShardWriter:
 def quantization_config(
     schemes: list[RecipeScheme], fallback_targets: dict[str, LinearTarget], ignore: list[str]
 ) -> QuantizationConfig:
-    """The checkpoint's quantization_config: the recipe's groups, one exact-name group per fallback, `ignore`."""
+    """The checkpoint's quantization_config: the recipe's groups, one exact-name group per fallback,
+    `ignore`."""
     groups: dict[str, QuantizationScheme] = {}
     for recipe_scheme in schemes:
         for scheme in recipe_scheme.config_groups.values():

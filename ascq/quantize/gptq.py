@@ -5,10 +5,10 @@ Cholesky factor U of (H + λI)⁻¹ gives each column's error feedback: quantize
 (w_i - q_i) / U_ii · U_i,i+1: over the not-yet-quantized columns, lazily in blocks of 128 columns.
 
 Group parameters (scale, zero point) come from `qparams(groups, importance) -> (scale, zero)` of the recipe's
-scheme (`QParams`), computed when the first column of a group is reached (on the already-updated weights). With
-`actorder` ("static" in llm-compressor/compressed-tensors terms, a.k.a. "weight"), columns are visited in
-decreasing diag(H) order while the groups stay the contiguous original ones, so their parameters are computed up
-front from the original weights and the checkpoint format needs no g_idx.
+scheme (`QParams`), computed when the first column of a group is reached (on the already-updated weights).
+With `actorder` ("static" in llm-compressor/compressed-tensors terms, a.k.a. "weight"), columns are visited in
+decreasing diag(H) order while the groups stay the contiguous original ones, so their parameters are computed
+up front from the original weights and the checkpoint format needs no g_idx.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ class GPTQConfig:
     block_size: int = 128
     dampening_frac: float = 0.01
     actorder: bool = False
-    float_zero_point: bool = False  # zeros are unrounded floats: q = round(w / scale + zero), as qmath.quantize
+    float_zero_point: bool = (
+        False  # zeros are unrounded floats: q = round(w / scale + zero), as qmath.quantize
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -48,8 +50,8 @@ class GPTQConfig:
 
 
 class GramCache:
-    """The last scaled Gram matrix a `HessianAccumulator` computed, keyed on its input's storage: linears that read
-    the same tensor (q/k/v, gate/up; hooks see detached views of it) share one x xᵀ product."""
+    """The last scaled Gram matrix a `HessianAccumulator` computed, keyed on its input's storage: linears that
+    read the same tensor (q/k/v, gate/up; hooks see detached views of it) share one x xᵀ product."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
@@ -67,8 +69,9 @@ class HessianAccumulator:
     """Running H = 2/n Σ x xᵀ over batches of a linear's inputs, in float32.
 
     Its products stay float32 whatever the converter's `--calibration-dtype`: bf16 GEMMs (faster here) round
-    their output, an indefinite error that GPTQ's damping does not cover where a few channels dominate H (SmolLM2's
-    o_proj in layers 0 and 1 was not positive definite with chunked bf16 products, and fell back to RTN)."""
+    their output, an indefinite error that GPTQ's damping does not cover where a few channels dominate H
+    (SmolLM2's o_proj in layers 0 and 1 was not positive definite with chunked bf16 products, and fell back to
+    RTN)."""
 
     def __init__(self, in_features: int, cache: GramCache | None = None) -> None:
         self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32)
@@ -92,8 +95,8 @@ class HessianAccumulator:
 
 def symmetric_gram(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """xᵀx [d, d] of x [n, d] (into `out` when given), by halves: the two diagonal blocks recursively, one
-    off-diagonal block by a GEMM and the other as its transpose (faster than the full product, and than one split
-    joined by cat, on SmolLM2's down_proj inputs)."""
+    off-diagonal block by a GEMM and the other as its transpose (faster than the full product, and than one
+    split joined by cat, on SmolLM2's down_proj inputs)."""
     out = torch.empty(x.shape[1], x.shape[1], dtype=x.dtype, device=x.device) if out is None else out
     half = x.shape[1] // 2
     if half < 128:
@@ -107,9 +110,9 @@ def symmetric_gram(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 
 
 def lower_triangular_inverse(lower: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """L⁻¹ of a lower-triangular L (into `out` when given), by halves: [[A, 0], [C, B]]⁻¹ = [[A⁻¹, 0], [-B⁻¹ C A⁻¹,
-    B⁻¹]], the two diagonal blocks recursively, the corner by two GEMMs (faster than
-    solve_triangular against the identity on SmolLM2's Hessians, with the same accuracy against a float64 inverse)."""
+    """L⁻¹ of a lower-triangular L (into `out` when given), by halves: [[A, 0], [C, B]]⁻¹ = [[A⁻¹, 0], [-B⁻¹ C
+    A⁻¹, B⁻¹]], the two diagonal blocks recursively, the corner by two GEMMs (faster than solve_triangular
+    against the identity on SmolLM2's Hessians, with the same accuracy against a float64 inverse)."""
     n = lower.shape[0]
     out = torch.zeros_like(lower) if out is None else out
     if n <= 128:
@@ -137,8 +140,8 @@ def single_thread() -> Iterator[None]:
 
 def _inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> torch.Tensor:
     """The upper Cholesky factor U of (H + λI)⁻¹ (so (H + λI)⁻¹ = Uᵀ U), from one factorisation: with J the
-    index reversal and J (H + λI) J = L Lᵀ, U = J L⁻¹ J (an upper triangle with a positive diagonal). Same U as
-    cholesky(cholesky_inverse(cholesky(H + λI)), upper) up to rounding, at 2/5 of the flops."""
+    index reversal and J (H + λI) J = L Lᵀ, U = J L⁻¹ J (an upper triangle with a positive diagonal). Same U
+    as cholesky(cholesky_inverse(cholesky(H + λI)), upper) up to rounding, at 2/5 of the flops."""
     h = hessian.flip(0, 1)
     h.diagonal().add_(dampening_frac * torch.mean(torch.diag(hessian)))
     factor, info = torch.linalg.cholesky_ex(h)
@@ -152,9 +155,14 @@ def _inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> tor
 
 @torch.no_grad()
 def gptq_quantize(
-    weight: torch.Tensor, hessian: torch.Tensor, qparams: QParams, q_range: tuple[int, int], config: GPTQConfig
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    qparams: QParams,
+    q_range: tuple[int, int],
+    config: GPTQConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ-quantize `weight` [out, in]; returns (dequantized weight, scale [out, groups], zero [out, groups]).
+    """GPTQ-quantize `weight` [out, in]; returns (dequantized weight, scale [out, groups], zero [out,
+    groups]).
 
     `q_range` is the integer range (e.g. (-8, 7)). Raises CholeskyError when H cannot be factorised.
     """
@@ -174,23 +182,46 @@ def gptq_quantize(
     perm = torch.arange(in_dim)
     if config.actorder:
         importance = torch.diag(h).view(num_groups, group)
-        scales, zeros = (t.float() for t in qparams(w.view(out_dim, num_groups, group), importance))  # static: original weights
+        scales, zeros = (
+            t.float() for t in qparams(w.view(out_dim, num_groups, group), importance)
+        )  # static: original weights
         perm = torch.argsort(torch.diag(h), descending=True)
         w, h = w[:, perm], h[perm][:, perm]
     u = _inverse_hessian_factor(h, config.dampening_frac)
-    _solve(w, u, torch.diag(h), scales, zeros, qparams, [p // group for p in perm.tolist()], group, q_range, config)
+    _solve(
+        w,
+        u,
+        torch.diag(h),
+        scales,
+        zeros,
+        qparams,
+        [p // group for p in perm.tolist()],
+        group,
+        q_range,
+        config,
+    )
     if config.actorder:
         w = w[:, torch.argsort(perm)]
     return w, scales, zeros
 
 
-def _solve(w: torch.Tensor, u: torch.Tensor, importance: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-           qparams: QParams, group_of: list[int], group: int, q_range: tuple[int, int], config: GPTQConfig) -> None:
+def _solve(
+    w: torch.Tensor,
+    u: torch.Tensor,
+    importance: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    qparams: QParams,
+    group_of: list[int],
+    group: int,
+    q_range: tuple[int, int],
+    config: GPTQConfig,
+) -> None:
     """The column loop, in place on `w` (and on `scales`/`zeros` without act-order; `importance`: diag(H) in
-    visiting order, for `qparams`). It works on wᵀ, where a
-    column of w is a contiguous row. Its cost is per-column dispatch, not arithmetic, so where the native kernels
-    load the columns between two group starts run as one call (`native.gptq_columns`, the same float operations);
-    else as in-place torch kernels, one column at a time."""
+    visiting order, for `qparams`). It works on wᵀ, where a column of w is a contiguous row. Its cost is
+    per-column dispatch, not arithmetic, so where the native kernels load the columns between two group starts
+    run as one call (`native.gptq_columns`, the same float operations); else as in-place torch kernels, one
+    column at a time."""
     wt = w.t().contiguous()  # [in, out]
     u = u.contiguous()  # row-major (solve_triangular may return column-major)
     in_dim = wt.shape[0]
@@ -206,13 +237,28 @@ def _solve(w: torch.Tensor, u: torch.Tensor, importance: torch.Tensor, scales: t
         while first < end - start:
             col = start + first
             last = end - start
-            if not config.actorder:  # the group's columns as updated so far; the segment stops at the next group
+            if (
+                not config.actorder
+            ):  # the group's columns as updated so far; the segment stops at the next group
                 g = group_of[col]
                 if col % group == 0:
-                    scale, zero = qparams(wt[col : col + group].t()[:, None, :], importance[None, col : col + group])
+                    scale, zero = qparams(
+                        wt[col : col + group].t()[:, None, :], importance[None, col : col + group]
+                    )
                     scales_t[g], zeros_t[g] = scale[:, 0], zero[:, 0]
                 last = min(last, first + group - col % group)
-            columns(w_block, u_block, err_block, scales_t, zeros_t, groups[start:end], first, last, q_range, config)
+            columns(
+                w_block,
+                u_block,
+                err_block,
+                scales_t,
+                zeros_t,
+                groups[start:end],
+                first,
+                last,
+                q_range,
+                config,
+            )
             first = last
         wt[end:].sub_(u[start:end, end:].t() @ err_block)
     w.copy_(wt.t())
@@ -221,16 +267,35 @@ def _solve(w: torch.Tensor, u: torch.Tensor, importance: torch.Tensor, scales: t
         zeros.copy_(zeros_t.t())
 
 
-def _native_columns(w_block: torch.Tensor, u_block: torch.Tensor, err_block: torch.Tensor, scales_t: torch.Tensor,
-                    zeros_t: torch.Tensor, groups: torch.Tensor, first: int, last: int, q_range: tuple[int, int],
-                    config: GPTQConfig) -> None:
-    native.gptq_columns(w_block, u_block, err_block, scales_t, zeros_t, groups, first, last, config.float_zero_point,
-                        q_range)
+def _native_columns(
+    w_block: torch.Tensor,
+    u_block: torch.Tensor,
+    err_block: torch.Tensor,
+    scales_t: torch.Tensor,
+    zeros_t: torch.Tensor,
+    groups: torch.Tensor,
+    first: int,
+    last: int,
+    q_range: tuple[int, int],
+    config: GPTQConfig,
+) -> None:
+    native.gptq_columns(
+        w_block, u_block, err_block, scales_t, zeros_t, groups, first, last, config.float_zero_point, q_range
+    )
 
 
-def _torch_columns(w_block: torch.Tensor, u_block: torch.Tensor, err_block: torch.Tensor, scales_t: torch.Tensor,
-                   zeros_t: torch.Tensor, groups: torch.Tensor, first: int, last: int, q_range: tuple[int, int],
-                   config: GPTQConfig) -> None:
+def _torch_columns(
+    w_block: torch.Tensor,
+    u_block: torch.Tensor,
+    err_block: torch.Tensor,
+    scales_t: torch.Tensor,
+    zeros_t: torch.Tensor,
+    groups: torch.Tensor,
+    first: int,
+    last: int,
+    q_range: tuple[int, int],
+    config: GPTQConfig,
+) -> None:
     q_min, q_max = q_range
     q = torch.empty(w_block.shape[1])
     with single_thread():
@@ -238,7 +303,9 @@ def _torch_columns(w_block: torch.Tensor, u_block: torch.Tensor, err_block: torc
             g = int(groups[i])
             row, scale, zero = w_block[i], scales_t[g], zeros_t[g]
             torch.div(row, scale, out=q)
-            if config.float_zero_point:  # as qmath.quantize: round(w / scale + zero) or round(w / scale) + zero
+            if (
+                config.float_zero_point
+            ):  # as qmath.quantize: round(w / scale + zero) or round(w / scale) + zero
                 q.add_(zero).round_()
             else:
                 q.round_().add_(zero)

@@ -1,18 +1,18 @@
 """`GPTQModifier`: GPTQ for every target linear of a decoder layer (it owns the weight scheme it declares).
 
-Hessians come from the calibration inputs each linear sees in this layer (routed tokens for experts; experts with
-fewer than `min_expert_tokens` routed tokens use all tokens passed through them densely, see `moe_coverage`).
-A layer whose H cannot be factorised falls back to round-to-nearest with a warning naming it.
+Hessians come from the calibration inputs each linear sees in this layer (routed tokens for experts; experts
+with fewer than `min_expert_tokens` routed tokens use all tokens passed through them densely, see
+`moe_coverage`). A layer whose H cannot be factorised falls back to round-to-nearest with a warning naming it.
 
 Recipe (llm-compressor's shape):
 `GPTQModifier: {scheme: W4A16_ASYM, ignore: [...], block_size: 128, dampening_frac: 0.01, actorder: static}`.
 
-`weighted_mse: true` (ascq's; needs `observer: mse` weights): the MSE observer weights each column's error by the
-column's diag(H), the mean square of its input (GPTQ's own loss (w - q)ᵀ H (w - q) without H's off-diagonal terms,
-the importance weighting of llama.cpp's imatrix quantization). On SmolLM2 (fp32 source, 16 x 512 calibration tokens,
-GPL-3 perplexity) it scored 32.65 and 32.38 (two calibration GEMM dtypes) where the unweighted observer scored 36.97
-and 37.00 with the same code, and 34.78 / 35.70 before a last-bit change in its error sums (GPTQ's spread: see
-README).
+`weighted_mse: true` (ascq's; needs `observer: mse` weights): the MSE observer weights each column's error by
+the column's diag(H), the mean square of its input (GPTQ's own loss (w - q)ᵀ H (w - q) without H's
+off-diagonal terms, the importance weighting of llama.cpp's imatrix quantization). On SmolLM2 (fp32 source, 16
+x 512 calibration tokens, GPL-3 perplexity) it scored 32.65 and 32.38 (two calibration GEMM dtypes) where the
+unweighted observer scored 36.97 and 37.00 with the same code, and 34.78 / 35.70 before a last-bit change in
+its error sums (GPTQ's spread: see README).
 """
 
 from __future__ import annotations
@@ -53,17 +53,29 @@ ACTORDER = {None: False, False: False, "static": True, "weight": True}
 class GPTQModifier(Modifier):
     name = "GPTQModifier"
     per_block = False  # see pipeline.convert_layer
-    # bf16 products only round the propagated activations (Hessians stay fp32): on SmolLM2 (fp32 source, 16 x 512,
-    # weighted_mse) 32.04 / 32.40 / 32.52 with bf16 products, 32.65 / 33.31 with fp32 (GPTQ's rounding spread)
+    # bf16 products only round the propagated activations (Hessians stay fp32): on SmolLM2 (fp32 source, 16 x
+    # 512, weighted_mse) 32.04 / 32.40 / 32.52 with bf16 products, 32.65 / 33.31 with fp32 (GPTQ's rounding
+    # spread)
     calibrates_in_bf16 = True
 
-    def __init__(self, scheme: RecipeScheme, block_size: int, dampening_frac: float, actorder: bool, min_expert_tokens: int,
-                 weighted_mse: bool = False) -> None:
+    def __init__(
+        self,
+        scheme: RecipeScheme,
+        block_size: int,
+        dampening_frac: float,
+        actorder: bool,
+        min_expert_tokens: int,
+        weighted_mse: bool = False,
+    ) -> None:
         self.scheme = scheme
         self.weighted_mse = weighted_mse
-        if weighted_mse and any(g.weights is None or g.weights.observer != "mse" for g in scheme.config_groups.values()):
-            raise RecipeError(f"{self.name}: weighted_mse weights the mse observer's error; give every config group's "
-                              "weights observer: mse")
+        if weighted_mse and any(
+            g.weights is None or g.weights.observer != "mse" for g in scheme.config_groups.values()
+        ):
+            raise RecipeError(
+                f"{self.name}: weighted_mse weights the mse observer's error; give every config group's "
+                "weights observer: mse"
+            )
         self.block_size = block_size
         self.dampening_frac = dampening_frac
         self.actorder = actorder
@@ -121,7 +133,9 @@ class GPTQModifier(Modifier):
         capture = ["mlp"] if experts else []
         cap = ctx.capture_inputs([*owned, *capture], {n: h.add for n, h in hessians.items()})
         if experts:
-            counts = {e: hessians[f"{e}.up_proj"].num_tokens if f"{e}.up_proj" in hessians else 0 for e in experts}
+            counts = {
+                e: hessians[f"{e}.up_proj"].num_tokens if f"{e}.up_proj" in hessians else 0 for e in experts
+            }
             coverage = self.coverage.layer(ctx.prefix, counts)
             for expert in experts:
                 if coverage.needs_dense(expert):
@@ -131,14 +145,16 @@ class GPTQModifier(Modifier):
             self._quantize_group(ctx, names, hessians[names[0]].hessian)
 
     def _sequential(self, ctx: LayerContext, owned: list[str]) -> None:
-        """One pass of the whole layer over all calibration tokens at once: each linear is GPTQ-quantized when its
-        input arrives (with the linears that read the same input: q/k/v, gate/up) and computes its output with the
-        quantized weights, so the layer's output is already the next layer's input (GPTQ's "true sequential"
-        order: o_proj's H comes from the quantized q/k/v, down_proj's from the quantized gate/up). Costs one layer
-        forward instead of a calibration forward plus a propagation forward."""
+        """One pass of the whole layer over all calibration tokens at once: each linear is GPTQ-quantized when
+        its input arrives (with the linears that read the same input: q/k/v, gate/up) and computes its output
+        with the quantized weights, so the layer's output is already the next layer's input (GPTQ's "true
+        sequential" order: o_proj's H comes from the quantized q/k/v, down_proj's from the quantized gate/up).
+        Costs one layer forward instead of a calibration forward plus a propagation forward."""
         siblings = {n: [n] for n in owned}
         for group in ctx.balance_groups():
-            if not isinstance(ctx.module(group.smooth_layer), torch.nn.Linear):  # a norm: its readers share one input
+            if not isinstance(
+                ctx.module(group.smooth_layer), torch.nn.Linear
+            ):  # a norm: its readers share one input
                 names = [n for n in group.balance_layers if n in siblings]
                 siblings.update({n: names for n in names})
 
@@ -154,7 +170,11 @@ class GPTQModifier(Modifier):
                     for n in names:
                         set_dequantized_weight(ctx.module(n), ctx.targets[n], ctx.results[n])
                 activations = ctx.targets[name].input_activations
-                return None if activations is None else activation_pre_hook(activations, None, shared)(module, args)
+                return (
+                    None
+                    if activations is None
+                    else activation_pre_hook(activations, None, shared)(module, args)
+                )
 
             return hook
 
@@ -170,7 +190,9 @@ class GPTQModifier(Modifier):
             raise RuntimeError(f"GPTQ: {ctx.prefix}{missing[0]} was not called in the layer's forward")
         ctx.propagated = list(out.split([x.shape[0] for x in ctx.inputs]))
 
-    def _dense_hessians(self, ctx: LayerContext, expert: str, block_inputs: list[torch.Tensor], hessians: dict) -> None:
+    def _dense_hessians(
+        self, ctx: LayerContext, expert: str, block_inputs: list[torch.Tensor], hessians: dict
+    ) -> None:
         for proj, inputs in dense_mlp_inputs(ctx.module(expert), block_inputs).items():
             name = f"{expert}.{proj}"
             if name in hessians:
@@ -184,8 +206,13 @@ class GPTQModifier(Modifier):
         args = ctx.targets[names[0]].weights
         weights = [ctx.module(n).weight for n in names]
         try:
-            deq, scale, zero = gptq_quantize(torch.cat(weights), hessian, _qparams(args, ctx.scale_dtype, self.weighted_mse),
-                                             qmath.int_range(args.num_bits), self._config(args))
+            deq, scale, zero = gptq_quantize(
+                torch.cat(weights),
+                hessian,
+                _qparams(args, ctx.scale_dtype, self.weighted_mse),
+                qmath.int_range(args.num_bits),
+                self._config(args),
+            )
         except CholeskyError as exc:
             for name, weight in zip(names, weights, strict=True):
                 message = f"GPTQ: {ctx.prefix}{name}: {exc}; falling back to round-to-nearest for this layer"
@@ -201,11 +228,16 @@ class GPTQModifier(Modifier):
         for name, d, s, z in zip(names, deq.split(rows), scale.split(rows), zero.split(rows), strict=True):
             s = s.to(ctx.scale_dtype)
             zero_point = None if args.symmetric else z.to(qmath.zero_point_dtype(args) or torch.int8)
-            ctx.results[name] = QuantizedLinear(qmath.quantize_with_qparams(d, s, zero_point, args), s, zero_point)
+            ctx.results[name] = QuantizedLinear(
+                qmath.quantize_with_qparams(d, s, zero_point, args), s, zero_point
+            )
         self.num_quantized += len(names)
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"num_quantized_linears": self.num_quantized, "actorder": "static" if self.actorder else None}
+        out: dict[str, Any] = {
+            "num_quantized_linears": self.num_quantized,
+            "actorder": "static" if self.actorder else None,
+        }
         out["rtn_fallbacks"] = self.fallbacks
         if self.coverage.blocks:
             out["expert_coverage"] = self.coverage.blocks
@@ -213,18 +245,22 @@ class GPTQModifier(Modifier):
 
 
 def _dynamic_or_none(target: LinearTarget) -> bool:
-    """Activations the sequential pass can fake-quantize itself (static ones need a calibrated input_scale)."""
+    """Activations the sequential pass can fake-quantize itself (static ones need a calibrated
+    input_scale)."""
     return target.input_activations is None or bool(target.input_activations.dynamic)
 
 
-def _same_hessian(ctx: LayerContext, names: list[str], hessians: dict[str, HessianAccumulator]) -> list[list[str]]:
+def _same_hessian(
+    ctx: LayerContext, names: list[str], hessians: dict[str, HessianAccumulator]
+) -> list[list[str]]:
     """`names` grouped by equal H and equal weight scheme (linears that read the same input), in order."""
     groups: list[list[str]] = []
     for name in names:
         for group in groups:
             first = group[0]
-            if ctx.targets[first].weights == ctx.targets[name].weights and \
-                    torch.equal(hessians[first].hessian, hessians[name].hessian):
+            if ctx.targets[first].weights == ctx.targets[name].weights and torch.equal(
+                hessians[first].hessian, hessians[name].hessian
+            ):
                 group.append(name)
                 break
         else:
@@ -233,13 +269,15 @@ def _same_hessian(ctx: LayerContext, names: list[str], hessians: dict[str, Hessi
 
 
 def _qparams(args: QuantizationArgs, scale_dtype: torch.dtype, weighted_mse: bool):
-    """(scale, zero) [rows, groups] of weight groups [rows, groups, group_len], rounded to the checkpoint's scale
-    dtype as the writer will; with `weighted_mse`, the observer's error weighted by the columns' importance."""
+    """(scale, zero) [rows, groups] of weight groups [rows, groups, group_len], rounded to the checkpoint's
+    scale dtype as the writer will; with `weighted_mse`, the observer's error weighted by the columns'
+    importance."""
 
     def qparams(w: torch.Tensor, importance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         low, high = observer.weight_ranges(w, args, scale_dtype, importance if weighted_mse else None)
-        scale, zero = qmath.compute_qparams(low, high, args.num_bits, args.symmetric, scale_dtype,
-                                            qmath.zero_point_dtype(args))
+        scale, zero = qmath.compute_qparams(
+            low, high, args.num_bits, args.symmetric, scale_dtype, qmath.zero_point_dtype(args)
+        )
         return scale.float(), zero.float()
 
     return qparams

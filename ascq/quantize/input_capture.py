@@ -83,7 +83,8 @@ def _detach(value: Any) -> Any:
 
 @torch.no_grad()
 def replay(module: nn.Module, calls: list[Call], inputs: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenated (flattened to [tokens, features]) outputs of `module` re-run on each call with a new input."""
+    """Concatenated (flattened to [tokens, features]) outputs of `module` re-run on each call with a new
+    input."""
     outputs = []
     for call, x in zip(calls, inputs, strict=True):
         args, kwargs = with_main_input(call, x)

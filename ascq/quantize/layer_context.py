@@ -29,15 +29,17 @@ class LayerContext:
     inputs: list[torch.Tensor]  # calibration hidden states, fp32 [batch, seq, hidden] chunks
     targets: dict[str, LinearTarget]
     scale_dtype: torch.dtype
-    source_block_size: int | None = None  # the source checkpoint's quantization block (`qmath.source_block_size`)
+    source_block_size: int | None = (
+        None  # the source checkpoint's quantization block (`qmath.source_block_size`)
+    )
     source_float_min: bool = False  # its blocks have float minima (`qmath.source_has_float_min`)
     block: LayerBlock | None = None  # the residual half being converted (None: the whole layer)
     results: dict[str, QuantizedLinear] = dataclasses.field(default_factory=dict)
     extra_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     report: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # set by the pipeline when the recipe's only modifier may propagate the calibration inputs itself: a modifier
-    # that ran the whole layer with its quantized weights (GPTQ's sequential pass) leaves the outputs in
-    # `propagated` (batched as `inputs`), and the pipeline does not run the layer again
+    # set by the pipeline when the recipe's only modifier may propagate the calibration inputs itself: a
+    # modifier that ran the whole layer with its quantized weights (GPTQ's sequential pass) leaves the outputs
+    # in `propagated` (batched as `inputs`), and the pipeline does not run the layer again
     propagate_in_place: bool = False
     propagated: list[torch.Tensor] | None = None
 
@@ -45,7 +47,8 @@ class LayerContext:
         return self.layer.get_submodule(name)
 
     def keeps_source_grid(self, name: str) -> bool:
-        """Whether the target linear `name` is re-quantized onto its source's own grid (`qmath.keeps_source_grid`)."""
+        """Whether the target linear `name` is re-quantized onto its source's own grid
+        (`qmath.keeps_source_grid`)."""
         return keeps_source_grid(self.targets[name].weights, self.source_block_size, self.source_float_min)
 
     def in_block(self, name: str) -> bool:
@@ -53,7 +56,8 @@ class LayerContext:
         return self.block is None or self.block.contains(name)
 
     def balance_groups(self) -> list[BalanceGroup]:
-        """The architecture's balance groups whose smoothing layer runs in this block (each lies in one block)."""
+        """The architecture's balance groups whose smoothing layer runs in this block (each lies in one
+        block)."""
         return [g for g in self.arch.balance_groups(self.index, self.layer) if self.in_block(g.smooth_layer)]
 
     def expert_names(self) -> list[str]:
@@ -73,12 +77,18 @@ class LayerContext:
             return [self.forward(x, kv_hook) for x in self.inputs]
 
     @torch.no_grad()
-    def capture_inputs(self, names: list[str], on_input: dict[str, Callable[[torch.Tensor], None]] | None = None) -> InputCapture:
-        """`InputCapture` of the named modules over every calibration sample. A sample's forward stops once each
-        named module has received its input (their outputs are not needed: e.g. down_proj is not computed)."""
+    def capture_inputs(
+        self, names: list[str], on_input: dict[str, Callable[[torch.Tensor], None]] | None = None
+    ) -> InputCapture:
+        """`InputCapture` of the named modules over every calibration sample. A sample's forward stops once
+        each named module has received its input (their outputs are not needed: e.g. down_proj is not
+        computed)."""
         stopper = _Stopper(names)
         with InputCapture(self.layer, names, on_input) as capture:
-            handles = [self.layer.get_submodule(n).register_forward_pre_hook(lambda *_, n=n: stopper.mark(n)) for n in names]
+            handles = [
+                self.layer.get_submodule(n).register_forward_pre_hook(lambda *_, n=n: stopper.mark(n))
+                for n in names
+            ]
             try:
                 stopper.run(self)
             finally:

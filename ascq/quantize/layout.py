@@ -1,7 +1,7 @@
 """A checkpoint's tensor names and shapes, derived from the architecture description (the converter's
 `Architecture.new_layer`, i.e. the reference modules that load those tensors), without building a model: one
-decoder layer per layer kind is built on the meta device and its names are repeated for every layer of that kind.
-The planner and the synthetic checkpoints read it.
+decoder layer per layer kind is built on the meta device and its names are repeated for every layer of that
+kind. The planner and the synthetic checkpoints read it.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ Shape = tuple[int, ...]
 
 
 def layer_kind(arch: Architecture, index: int) -> str:
-    """"moe" or "dense": everything a decoder layer's tensor names and shapes depend on
+    """ "moe" or "dense": everything a decoder layer's tensor names and shapes depend on
     (DeepseekConfig.is_moe_layer is the one dense/MoE rule)."""
     return "moe" if isinstance(arch, DeepseekMoEArch) and arch.ds_config.is_moe_layer(index) else "dense"
 
 
 def decoder_linears(arch: Architecture) -> Iterator[tuple[str, nn.Linear]]:
-    """(full name, meta-device module) of every linear of every decoder layer, without loading a weight: what a
-    recipe's schemes are matched against before the converter streams the layers."""
+    """(full name, meta-device module) of every linear of every decoder layer, without loading a weight: what
+    a recipe's schemes are matched against before the converter streams the layers."""
     kinds: dict[str, list[tuple[str, nn.Linear]]] = {}
     for index in range(arch.num_layers):
         kind = layer_kind(arch, index)

@@ -1,6 +1,8 @@
-"""The modifier contract: one recipe entry (`SmoothQuantModifier`, `QuantizationModifier`, ...) acting per layer.
+"""The modifier contract: one recipe entry (`SmoothQuantModifier`, `QuantizationModifier`, ...) acting per
+layer.
 
-See docs/ARCHITECTURE.md "Converter pipeline". Modifiers are registered by name in `ascq/quantize/registry.py`.
+See docs/ARCHITECTURE.md "Converter pipeline". Modifiers are registered by name in
+`ascq/quantize/registry.py`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ class Modifier:
     # True: calibrated one residual block at a time, the MLP block on the quantized attention block's output
     # (`pipeline.convert_layer`); False: on the whole full-precision layer, as llm-compressor does
     per_block: ClassVar[bool] = True
-    # True: measured to keep its quality with bf16 products in the layer's forwards, so `--calibration-dtype auto`
-    # uses them where they are fast (`pipeline.calibration_gemm_dtype`)
+    # True: measured to keep its quality with bf16 products in the layer's forwards, so `--calibration-dtype
+    # auto` uses them where they are fast (`pipeline.calibration_gemm_dtype`)
     calibrates_in_bf16: ClassVar[bool] = False
 
     @classmethod
@@ -41,7 +43,8 @@ class Modifier:
 
 
 def check_args(owner: str, args: Any, allowed: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
-    """`args` as a dict whose keys are in `allowed` and values of the allowed types (RecipeError otherwise)."""
+    """`args` as a dict whose keys are in `allowed` and values of the allowed types (RecipeError
+    otherwise)."""
     if args is None:
         return {}
     if not isinstance(args, dict):
@@ -50,7 +53,9 @@ def check_args(owner: str, args: Any, allowed: dict[str, type | tuple[type, ...]
         if key not in allowed:
             raise RecipeError(f"{owner}: unknown argument {key!r} (known: {', '.join(sorted(allowed))})")
         types = allowed[key]
-        if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types))):
+        if value is not None and (
+            not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types))
+        ):
             names = "/".join(t.__name__ for t in _tuple(types))
             raise RecipeError(f"{owner}: argument {key} must be {names}, got {value!r}")
     return dict(args)

@@ -1,9 +1,10 @@
 """MoE calibration coverage: how many calibration tokens each routed expert saw, and what to calibrate it on.
 
-With a small calibration set some experts receive few or no routed tokens; statistics from them (AWQ's mean |x|,
-GPTQ's Hessian) would be empty or noisy and give NaN/inf scales. An expert below `min_tokens` is calibrated on
-every token that reaches the MoE block, passed through it densely (calibrate-all-experts mode, as llm-compressor's
-`moe_calibrate_all_experts`); the manifest lists the per-expert token counts and which experts fell back.
+With a small calibration set some experts receive few or no routed tokens; statistics from them (AWQ's mean
+|x|, GPTQ's Hessian) would be empty or noisy and give NaN/inf scales. An expert below `min_tokens` is
+calibrated on every token that reaches the MoE block, passed through it densely (calibrate-all-experts mode,
+as llm-compressor's `moe_calibrate_all_experts`); the manifest lists the per-expert token counts and which
+experts fell back.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class ExpertCoverage:
             raise ValueError("min_tokens must be >= 0")
 
     def needs_dense(self, expert: str) -> bool:
-        """Below the threshold, or no routed token at all (even with min_tokens = 0: never empty statistics)."""
+        """Below the threshold, or no routed token at all (even with min_tokens = 0: never empty
+        statistics)."""
         return self.tokens.get(expert, 0) < max(1, self.min_tokens)
 
     def report(self) -> dict[str, Any]:
@@ -38,7 +40,9 @@ class ExpertCoverage:
         for name, count in sorted(self.tokens.items(), key=lambda kv: _sort_key(kv[0])):
             match = _EXPERT.match(name)
             moe, index = (match["moe"], int(match["index"])) if match else (name, -1)
-            block = blocks.setdefault(moe, {"min_tokens": self.min_tokens, "tokens_per_expert": [], "dense_fallback": []})
+            block = blocks.setdefault(
+                moe, {"min_tokens": self.min_tokens, "tokens_per_expert": [], "dense_fallback": []}
+            )
             block["tokens_per_expert"].append(count)
             if count < max(1, self.min_tokens):
                 block["dense_fallback"].append(index)
@@ -51,7 +55,9 @@ class CoverageLog:
 
     owner: str  # the modifier's name, for the error message
     min_tokens: int = DEFAULT_MIN_TOKENS
-    blocks: dict[str, Any] = dataclasses.field(default_factory=dict)  # full MoE block name -> ExpertCoverage.report()
+    blocks: dict[str, Any] = dataclasses.field(
+        default_factory=dict
+    )  # full MoE block name -> ExpertCoverage.report()
 
     def __post_init__(self) -> None:
         if self.min_tokens < 0:
@@ -60,7 +66,8 @@ class CoverageLog:
             raise RecipeError(f"{self.owner}: min_expert_tokens must be >= 0")
 
     def layer(self, prefix: str, tokens: dict[str, int]) -> ExpertCoverage:
-        """The coverage of one layer's experts (routed token counts by relative name), recorded under `prefix`."""
+        """The coverage of one layer's experts (routed token counts by relative name), recorded under
+        `prefix`."""
         coverage = ExpertCoverage(self.min_tokens, tokens)
         self.blocks.update({f"{prefix}{k}": v for k, v in coverage.report().items()})
         return coverage

@@ -1,5 +1,5 @@
-"""Writing msModelSlim-format checkpoints (`ascq convert MODEL --recipe w8a8 --format msmodelslim`), the layout
-vllm-ascend loads with `--quantization ascend`; the layout itself is `ascq.formats.msmodelslim`.
+"""Writing msModelSlim-format checkpoints (`ascq convert MODEL --recipe w8a8 --format msmodelslim`), the
+layout vllm-ascend loads with `--quantization ascend`; the layout itself is `ascq.formats.msmodelslim`.
 
 `KVCacheInt8Modifier` (recipe `kv-int8-c8`) calibrates the C8 int8 KV cache: per channel (kv_heads * head_dim)
 symmetric scales absmax / 127 of the post-RoPE keys and the values over all calibration tokens, written as
@@ -29,7 +29,9 @@ def check_recipe_schemes(schemes: list[RecipeScheme]) -> None:
     """Fail before calibrating when a recipe has no msModelSlim equivalent."""
     for recipe_scheme in schemes:
         if recipe_scheme.kv_cache_scheme is not None:
-            raise UnsupportedError("--format msmodelslim has no FP8 KV cache; use the kv-int8-c8 recipe instead of fp8-kv")
+            raise UnsupportedError(
+                "--format msmodelslim has no FP8 KV cache; use the kv-int8-c8 recipe instead of fp8-kv"
+            )
         for group in recipe_scheme.config_groups.values():
             target = LinearTarget(group.weights, group.input_activations, recipe_scheme)
             ms.check_scheme(scheme_name(target))
@@ -40,7 +42,10 @@ def check_recipe_schemes(schemes: list[RecipeScheme]) -> None:
 def linear_input_sizes(config: dict[str, Any]) -> list[int]:
     dims = [config["hidden_size"], config.get("intermediate_size") or config["hidden_size"]]
     if config.get("moe_intermediate_size"):
-        dims += [config["moe_intermediate_size"], config["moe_intermediate_size"] * (config.get("n_shared_experts") or 1)]
+        dims += [
+            config["moe_intermediate_size"],
+            config["moe_intermediate_size"] * (config.get("n_shared_experts") or 1),
+        ]
     dims.append(config["num_attention_heads"] * head_dim_of(config))
     return dims
 
@@ -48,7 +53,9 @@ def linear_input_sizes(config: dict[str, Any]) -> list[int]:
 class MsModelSlimWriter(ShardWriter):
     """A ShardWriter that records a label per tensor and writes the description; drop-in for the pipeline."""
 
-    def __init__(self, out_dir: Path, max_shard_bytes: int, model_dtype: torch.dtype, config: dict[str, Any]) -> None:
+    def __init__(
+        self, out_dir: Path, max_shard_bytes: int, model_dtype: torch.dtype, config: dict[str, Any]
+    ) -> None:
         super().__init__(out_dir, max_shard_bytes)
         self.model_dtype = model_dtype
         self.group_size = ms.w4a8_group_size(linear_input_sizes(config))
@@ -56,13 +63,17 @@ class MsModelSlimWriter(ShardWriter):
 
     def add(self, name: str, tensor: torch.Tensor, label: str = "FLOAT") -> None:
         if name.endswith((".k_scale", ".v_scale")):
-            raise UnsupportedError("--format msmodelslim has no FP8 KV cache; use the kv-int8-c8 recipe instead of fp8-kv")
+            raise UnsupportedError(
+                "--format msmodelslim has no FP8 KV cache; use the kv-int8-c8 recipe instead of fp8-kv"
+            )
         if name.endswith(ms.KV_CACHE_SUFFIXES):
             label = ms.KV_CACHE_LABEL
         super().add(name, tensor)
         self.labels[name] = label
 
-    def add_linear(self, name: str, target: LinearTarget, ql: QuantizedLinear, bias: torch.Tensor | None) -> None:
+    def add_linear(
+        self, name: str, target: LinearTarget, ql: QuantizedLinear, bias: torch.Tensor | None
+    ) -> None:
         scheme = scheme_name(target)
         for key, tensor in ms.compress_linear(scheme, ql, bias, self.model_dtype, self.group_size).items():
             self.add(f"{name}.{key}", tensor, ms.LABELS[scheme])
@@ -78,7 +89,9 @@ class MsModelSlimWriter(ShardWriter):
     @staticmethod
     def write_config(out_dir: Path, source_config: dict, qconfig: Any = None) -> None:
         """config.json = the source config without quantization_config (the description file carries it)."""
-        config = {k: v for k, v in source_config.items() if k not in ("quantization_config", "compression_config")}
+        config = {
+            k: v for k, v in source_config.items() if k not in ("quantization_config", "compression_config")
+        }
         (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

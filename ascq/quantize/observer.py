@@ -1,5 +1,5 @@
-"""Weight observers (llm-compressor's): the (min, max) range of each weight group a recipe's `observer` picks —
-minmax, or the MSE search over shrunk ranges (on the native kernel where it is built) — and round-to-nearest
+"""Weight observers (llm-compressor's): the (min, max) range of each weight group a recipe's `observer` picks
+— minmax, or the MSE search over shrunk ranges (on the native kernel where it is built) — and round-to-nearest
 weight quantization from those ranges. The grid math itself is `ascq.core.qmath`."""
 
 from __future__ import annotations
@@ -12,17 +12,25 @@ from ascq.kernels import native
 
 MINMAX_OBSERVERS = (None, "minmax", "memoryless_minmax", "static_minmax")  # the same ranges for a weight
 WEIGHT_OBSERVERS = (*MINMAX_OBSERVERS[1:], "mse")
-MSE_DEFAULTS = {"maxshrink": 0.2, "grid": 100.0, "norm": 2.4}  # llm-compressor's MovingAverageMSEObserver defaults
+MSE_DEFAULTS = {
+    "maxshrink": 0.2,
+    "grid": 100.0,
+    "norm": 2.4,
+}  # llm-compressor's MovingAverageMSEObserver defaults
 
 
-def weight_ranges(grouped: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype,
-                  importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) per group of `grouped` [..., group_len] as the weight observer says: the extremes (minmax), or
-    for `observer: mse` the extremes shrunk by the factor 1 - i/grid, i = 0 .. maxshrink·grid, whose quantization
-    error Σ|q - w|^norm is smallest per group (llm-compressor's MSE observer and its defaults, `observer_kwargs`
-    maxshrink / grid / norm; every step is tried, without its early stop). `importance` (broadcast against
-    `grouped`, mse only) weights each element's error: Σ importance·|q - w|^norm (GPTQ's diag(H), see
-    `gptq_modifier`)."""
+def weight_ranges(
+    grouped: torch.Tensor,
+    args: QuantizationArgs,
+    scale_dtype: torch.dtype,
+    importance: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) per group of `grouped` [..., group_len] as the weight observer says: the extremes (minmax),
+    or for `observer: mse` the extremes shrunk by the factor 1 - i/grid, i = 0 .. maxshrink·grid, whose
+    quantization error Σ|q - w|^norm is smallest per group (llm-compressor's MSE observer and its defaults,
+    `observer_kwargs` maxshrink / grid / norm; every step is tried, without its early stop). `importance`
+    (broadcast against `grouped`, mse only) weights each element's error: Σ importance·|q - w|^norm (GPTQ's
+    diag(H), see `gptq_modifier`)."""
     low, high = grouped.amin(-1), grouped.amax(-1)
     if args.observer in MINMAX_OBSERVERS:
         if importance is not None:
@@ -33,48 +41,86 @@ def weight_ranges(grouped: torch.Tensor, args: QuantizationArgs, scale_dtype: to
     shrinks = torch.tensor([1 - step / options["grid"] for step in range(steps)], dtype=torch.float32)
     flat = grouped.float().reshape(-1, grouped.shape[-1]).contiguous()
     low, high = low.float().reshape(-1, 1), high.float().reshape(-1, 1)
-    scale, zero = qmath.compute_qparams(low * shrinks, high * shrinks, args.num_bits, args.symmetric, scale_dtype,
-                                  qmath.zero_point_dtype(args))  # [groups, steps]
+    scale, zero = qmath.compute_qparams(
+        low * shrinks,
+        high * shrinks,
+        args.num_bits,
+        args.symmetric,
+        scale_dtype,
+        qmath.zero_point_dtype(args),
+    )  # [groups, steps]
     zero = None if args.symmetric else zero.float()
     if importance is not None:
         importance = importance.float().expand(grouped.shape).reshape(flat.shape).contiguous()
     if native.available():
-        errors = native.group_quant_errors(flat, scale.float().contiguous(), zero, qmath.int_range(args.num_bits),
-                                           options["norm"], importance)
+        errors = native.group_quant_errors(
+            flat,
+            scale.float().contiguous(),
+            zero,
+            qmath.int_range(args.num_bits),
+            options["norm"],
+            importance,
+        )
     else:
         errors = _group_quant_errors(flat, scale, zero, args.num_bits, options["norm"], importance)
-    best = shrinks[torch.nan_to_num(errors, nan=float("inf")).argmin(-1)][:, None]  # the first of equal errors
+    best = shrinks[torch.nan_to_num(errors, nan=float("inf")).argmin(-1)][
+        :, None
+    ]  # the first of equal errors
     return (low * best).view(grouped.shape[:-1]), (high * best).view(grouped.shape[:-1])
 
 
 MSE_CHUNK_ELEMENTS = 1 << 17
 
 
-def _group_quant_errors(flat: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, num_bits: int,
-                        norm: float, importance: torch.Tensor | None = None) -> torch.Tensor:
-    """`native.group_quant_errors` in torch ops (hosts without the native kernels): Σ importance · |dequantize(
-    quantize(x)) - x|^norm [groups, candidates], a chunk of groups at a time through every candidate while it is in
-    cache."""
+def _group_quant_errors(
+    flat: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    num_bits: int,
+    norm: float,
+    importance: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`native.group_quant_errors` in torch ops (hosts without the native kernels): Σ importance ·
+    |dequantize( quantize(x)) - x|^norm [groups, candidates], a chunk of groups at a time through every
+    candidate while it is in cache."""
     errors = torch.empty(scale.shape, dtype=torch.float32)
     rows_per_chunk = max(1, MSE_CHUNK_ELEMENTS // flat.shape[1])
     for first in range(0, flat.shape[0], rows_per_chunk):
         chunk = slice(first, first + rows_per_chunk)
         buffer = torch.empty_like(flat[chunk])
         for c in range(scale.shape[1]):
-            values = qmath.grid_values(flat[chunk], scale[chunk, c, None], None if zero is None else zero[chunk, c, None],
-                                  num_bits, out=buffer)
-            error = qmath.dequantize_into(values, scale[chunk, c, None], None if zero is None else zero[chunk, c, None]
-                                 ).sub_(flat[chunk]).abs_().pow_(norm)
+            values = qmath.grid_values(
+                flat[chunk],
+                scale[chunk, c, None],
+                None if zero is None else zero[chunk, c, None],
+                num_bits,
+                out=buffer,
+            )
+            error = (
+                qmath.dequantize_into(
+                    values, scale[chunk, c, None], None if zero is None else zero[chunk, c, None]
+                )
+                .sub_(flat[chunk])
+                .abs_()
+                .pow_(norm)
+            )
             errors[chunk, c] = (error if importance is None else error.mul_(importance[chunk])).sum(-1)
     return errors
 
 
-def weight_qparams(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_qparams(
+    w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero_point) of a weight from its observer's ranges (`weight_ranges`): shape [1], [out, 1] or
     [out, in // group_size]."""
     grouped = qmath.to_groups(w.float(), str(args.strategy), args.group_size)
-    scale, zero_point = qmath.compute_qparams(*weight_ranges(grouped, args, scale_dtype), args.num_bits, args.symmetric,
-                                        scale_dtype, qmath.zero_point_dtype(args))
+    scale, zero_point = qmath.compute_qparams(
+        *weight_ranges(grouped, args, scale_dtype),
+        args.num_bits,
+        args.symmetric,
+        scale_dtype,
+        qmath.zero_point_dtype(args),
+    )
     if args.strategy == "tensor":
         return scale.reshape(1), zero_point.reshape(1)
     return scale, zero_point
@@ -89,6 +135,8 @@ def quantize_weight(
     return qmath.quantize_with_qparams(w, scale, zero_point, args), scale, zero_point
 
 
-def fake_quantize_weight(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def fake_quantize_weight(
+    w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     q, scale, zero_point = quantize_weight(w, args, scale_dtype)
     return qmath.dequantize_weight(q, scale, zero_point, args).to(w.dtype)

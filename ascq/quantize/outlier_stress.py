@@ -1,11 +1,12 @@
 """Outlier-stress variant of a checkpoint: a STRESS TEST for quantizers, not a real model.
 
-Real LLMs carry a few activation channels 20-100x larger than the rest (Dettmers et al. 2022; Sun et al. 2024);
-small trained fixtures may not. This transform plants such channels without changing the model's function:
-for a few chosen hidden channels c, every RMSNorm weight (`input_layernorm`, `post_attention_layernorm`) is
-multiplied by k at c and the matching input columns of the linears that read that norm (q/k/v; gate/up of the MLP,
-of every routed and shared expert, and the MoE router) are divided by k. In exact arithmetic the logits are
-unchanged; the norm outputs now hold k-times-larger channels, which is what activation-aware quantizers handle.
+Real LLMs carry a few activation channels 20-100x larger than the rest (Dettmers et al. 2022; Sun et al.
+2024); small trained fixtures may not. This transform plants such channels without changing the model's
+function: for a few chosen hidden channels c, every RMSNorm weight (`input_layernorm`,
+`post_attention_layernorm`) is multiplied by k at c and the matching input columns of the linears that read
+that norm (q/k/v; gate/up of the MLP, of every routed and shared expert, and the MoE router) are divided by k.
+In exact arithmetic the logits are unchanged; the norm outputs now hold k-times-larger channels, which is what
+activation-aware quantizers handle.
 
     python -m ascq.quantize.outlier_stress zoo/tiny-llama /tmp/tiny-llama-outlier-stress
 """
@@ -49,7 +50,9 @@ def _scaled(tensor: torch.Tensor, channels: list[int], factor: float, columns: b
     return out.to(tensor.dtype)
 
 
-def add_outlier_channels(state: dict[str, torch.Tensor], channels: list[int], k: float = DEFAULT_K) -> dict[str, torch.Tensor]:
+def add_outlier_channels(
+    state: dict[str, torch.Tensor], channels: list[int], k: float = DEFAULT_K
+) -> dict[str, torch.Tensor]:
     """A new state dict with norm weights x k at `channels` and the consuming linears' columns / k."""
     if k <= 0:
         raise AscqError(f"outlier stress: k must be positive, got {k}")
@@ -86,10 +89,16 @@ def write_outlier_stress(
     state = add_outlier_channels(load_state_dict_files(src), channels, k)
     with staged_entry(out) as staging:
         for path in src.iterdir():
-            if path.is_file() and not path.name.endswith((".safetensors", ".safetensors.index.json", ".json.lock")):
+            if path.is_file() and not path.name.endswith(
+                (".safetensors", ".safetensors.index.json", ".json.lock")
+            ):
                 if path.name != "ascq.json":
                     shutil.copy2(path, staging / path.name)
-        save_file({n: t.contiguous() for n, t in state.items()}, staging / "model.safetensors", metadata={"format": "pt"})
+        save_file(
+            {n: t.contiguous() for n, t in state.items()},
+            staging / "model.safetensors",
+            metadata={"format": "pt"},
+        )
         manifest = new_manifest(
             out.name,
             source={"model": str(src), "revision": None},

@@ -1,11 +1,11 @@
 """The layer-streaming conversion loop: one decoder layer in memory at a time.
 
 Layer 0's inputs are embedding rows read straight from the checkpoint. For each layer: load only its tensors,
-build the module (fp32, on the compute device), run the recipe's modifiers, write its tensors to the current output
-shard, then swap in the quantized weights (dequantized, activations fake-quantized, fp8 KV applied) and run the
-calibration batches again: the next layer sees the quantized model's hidden states, as in llm-compressor. When an
-eval token stream is given, its windows travel along two paths (full precision, quantized) for perplexity
-before/after without ever holding the whole model.
+build the module (fp32, on the compute device), run the recipe's modifiers, write its tensors to the current
+output shard, then swap in the quantized weights (dequantized, activations fake-quantized, fp8 KV applied) and
+run the calibration batches again: the next layer sees the quantized model's hidden states, as in
+llm-compressor. When an eval token stream is given, its windows travel along two paths (full precision,
+quantized) for perplexity before/after without ever holding the whole model.
 """
 
 from __future__ import annotations
@@ -62,13 +62,14 @@ class StreamResult:
 
 
 def return_freed_memory_to_os() -> None:
-    """glibc: serve allocations >= 4 MiB by mmap so freed layer tensors go back to the OS. For models with routed
-    experts (`Architecture.has_routed_experts`), whose tensors vary in size with each expert's routed tokens.
+    """glibc: serve allocations >= 4 MiB by mmap so freed layer tensors go back to the OS. For models with
+    routed experts (`Architecture.has_routed_experts`), whose tensors vary in size with each expert's routed
+    tokens.
 
-    With glibc's default (a threshold that grows to 32 MiB), those many tensor-sized temporaries of a layer are
-    carved out of the heap and fragment it: peak RSS on deepseek-moe-16b shapes doubled. A dense layer allocates the
-    same shapes in every layer, which the heap reuses; there the threshold only made every temporary page-fault in
-    fresh (slower, with the same peak RSS). Measurements: docs/benchmarks.md.
+    With glibc's default (a threshold that grows to 32 MiB), those many tensor-sized temporaries of a layer
+    are carved out of the heap and fragment it: peak RSS on deepseek-moe-16b shapes doubled. A dense layer
+    allocates the same shapes in every layer, which the heap reuses; there the threshold only made every
+    temporary page-fault in fresh (slower, with the same peak RSS). Measurements: docs/benchmarks.md.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -108,7 +109,9 @@ def layer_targets(
         if target.weights.strategy == "group" and linear_group_size(group, module.in_features) is None:
             channel = target.weights.model_copy(update={"strategy": "channel", "group_size": None})
             target = LinearTarget(channel, target.input_activations, target.owner)
-            fallbacks[prefix + name] = f"in_features {module.in_features} not divisible by group_size {group}: per-channel"
+            fallbacks[prefix + name] = (
+                f"in_features {module.in_features} not divisible by group_size {group}: per-channel"
+            )
         targets[name] = target
     return targets, ignored, fallbacks
 
@@ -122,23 +125,25 @@ def check_calibration_dtype(choice: str) -> None:
 
 
 def calibration_gemm_dtype(choice: str, device: str, recipe: ComposedRecipe) -> torch.dtype:
-    """The dtype of the linears' products in the converter's forwards (`--calibration-dtype`). auto: bfloat16 on a
-    CPU whose bf16 GEMM outruns its fp32 GEMM (`cpu.BF16_GEMM_FAST`: AMX or AVX-512 BF16) when every modifier of the
-    recipe keeps its quality with them (`Modifier.calibrates_in_bf16`: GPTQ), else float32. Measured on SmolLM2
-    (docs/benchmarks.md): AWQ's α search compares block-output losses, which bf16 products blur, and SmoothQuant's
-    w8a8 lost perplexity with them."""
+    """The dtype of the linears' products in the converter's forwards (`--calibration-dtype`). auto: bfloat16
+    on a CPU whose bf16 GEMM outruns its fp32 GEMM (`cpu.BF16_GEMM_FAST`: AMX or AVX-512 BF16) when every
+    modifier of the recipe keeps its quality with them (`Modifier.calibrates_in_bf16`: GPTQ), else float32.
+    Measured on SmolLM2 (docs/benchmarks.md): AWQ's α search compares block-output losses, which bf16 products
+    blur, and SmoothQuant's w8a8 lost perplexity with them."""
     check_calibration_dtype(choice)
     if choice == "auto":
         bf16 = all(m.calibrates_in_bf16 for m in recipe.modifiers)
-        return torch.bfloat16 if cpu.BF16_GEMM_FAST and platform_for(device).is_cpu and bf16 else torch.float32
+        return (
+            torch.bfloat16 if cpu.BF16_GEMM_FAST and platform_for(device).is_cpu and bf16 else torch.float32
+        )
     return getattr(torch, choice)
 
 
 def fast_layer(layer: nn.Module, gemm_dtype: torch.dtype = torch.float32) -> nn.Module:
     """The layer set up for the converter's forwards: torch's fused attention kernel (`decoder.Attention.
-    fused_attention`: the same function up to float rounding, several times faster than the reference backend's
-    attention), and with a `gemm_dtype` other than float32 the attention and every linear's product in that dtype
-    (`gemm_in`)."""
+    fused_attention`: the same function up to float rounding, several times faster than the reference
+    backend's attention), and with a `gemm_dtype` other than float32 the attention and every linear's product
+    in that dtype (`gemm_in`)."""
     casts: dict = {}  # linears reading one tensor (q/k/v, gate/up) round it once
     for module in layer.modules():
         if hasattr(module, "fused_attention"):
@@ -149,11 +154,11 @@ def fast_layer(layer: nn.Module, gemm_dtype: torch.dtype = torch.float32) -> nn.
 
 
 def gemm_in(linear: nn.Linear, dtype: torch.dtype, casts: dict) -> None:
-    """`linear` computes its product in `dtype`: input and weight (whatever the weight is when called) rounded to
-    it, the GEMM accumulating in fp32 (oneDNN's bf16 GEMM), the output back in the input's dtype plus the bias.
-    Hooks still see the input at full precision (Hessians, activation statistics); only the products are rounded:
-    on SmolLM2 the bf16 output differs from fp32 by 2^-9 relative per input. `casts`: one dict for the linears of
-    a layer, which then round an input they share once (`reference_forward.shared_result`)."""
+    """`linear` computes its product in `dtype`: input and weight (whatever the weight is when called) rounded
+    to it, the GEMM accumulating in fp32 (oneDNN's bf16 GEMM), the output back in the input's dtype plus the
+    bias. Hooks still see the input at full precision (Hessians, activation statistics); only the products are
+    rounded: on SmolLM2 the bf16 output differs from fp32 by 2^-9 relative per input. `casts`: one dict for
+    the linears of a layer, which then round an input they share once (`reference_forward.shared_result`)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         cast = shared_result(casts, x, dtype, lambda: x.to(dtype))
@@ -168,29 +173,47 @@ def _batches(embed: torch.Tensor, ids: torch.Tensor, device: str) -> list[torch.
 
 
 def _forward_all(
-    arch: Architecture, layer: nn.Module, batches: list[torch.Tensor], kv_hook=None, block: LayerBlock | None = None
+    arch: Architecture,
+    layer: nn.Module,
+    batches: list[torch.Tensor],
+    kv_hook=None,
+    block: LayerBlock | None = None,
 ) -> list[torch.Tensor]:
     """Every batch through one of the layer's residual halves (None: the whole layer)."""
-    return [arch.forward_block(layer, block, x, torch.arange(x.shape[1], device=x.device)[None], kv_hook) for x in batches]
+    return [
+        arch.forward_block(layer, block, x, torch.arange(x.shape[1], device=x.device)[None], kv_hook)
+        for x in batches
+    ]
 
 
 def _round_as_written(layer: nn.Module, block: LayerBlock | None, dtype: torch.dtype) -> None:
-    """The block's (None: the layer's) full-precision tensors (norms, router, biases) rounded to the written dtype
-    in place: the propagated layer uses what will be written."""
+    """The block's (None: the layer's) full-precision tensors (norms, router, biases) rounded to the written
+    dtype in place: the propagated layer uses what will be written."""
     for key, tensor in layer.state_dict().items():
         if block is None or block.contains(key.rsplit(".", 1)[0]):
             tensor.data.copy_(tensor.to(dtype))
 
 
-def _write_layer(writer: ShardWriter, prefix: str, layer: nn.Module, targets: dict[str, LinearTarget], ctx: LayerContext,
-                 dtype: torch.dtype) -> None:
+def _write_layer(
+    writer: ShardWriter,
+    prefix: str,
+    layer: nn.Module,
+    targets: dict[str, LinearTarget],
+    ctx: LayerContext,
+    dtype: torch.dtype,
+) -> None:
     for key, tensor in layer.state_dict().items():
         owner, leaf = key.rsplit(".", 1)
         if owner not in ctx.results or leaf not in ("weight", "bias"):
             writer.add(prefix + key, tensor.to(dtype))
     for name in sorted(ctx.results):
         bias = layer.get_submodule(name).bias
-        writer.add_linear(f"{prefix}{name}", targets[name], ctx.results[name], bias.detach().to(dtype) if bias is not None else None)
+        writer.add_linear(
+            f"{prefix}{name}",
+            targets[name],
+            ctx.results[name],
+            bias.detach().to(dtype) if bias is not None else None,
+        )
     for key, tensor in sorted(ctx.extra_tensors.items()):
         writer.add(prefix + key, tensor)
 
@@ -208,14 +231,21 @@ class LayerJob:
     scale_dtype: torch.dtype
     source_block_size: int | None = None  # the source's quantization block (`qmath.source_block_size`)
     source_float_min: bool = False  # its blocks have float minima (`qmath.source_has_float_min`)
-    gemm_dtype: torch.dtype = torch.float32  # of the linears' products in the forwards (`calibration_gemm_dtype`)
+    gemm_dtype: torch.dtype = (
+        torch.float32
+    )  # of the linears' products in the forwards (`calibration_gemm_dtype`)
     schemes: list[RecipeScheme] = dataclasses.field(init=False)
     group_size_fits: list[GroupSizeFit] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.schemes = self.recipe.schemes()
-        self.group_size_fits = fit_group_sizes(self.schemes, decoder_linears(self.arch), self.source_block_size,
-                                               self.source_float_min, self.scale_dtype)
+        self.group_size_fits = fit_group_sizes(
+            self.schemes,
+            decoder_linears(self.arch),
+            self.source_block_size,
+            self.source_float_min,
+            self.scale_dtype,
+        )
         for fit in self.group_size_fits:
             log.warning("%s", fit.message())
 
@@ -236,12 +266,13 @@ class StreamState:
 
 
 def _blocks(job: LayerJob) -> tuple[LayerBlock | None, ...]:
-    """The parts of a layer calibrated, quantized and propagated in turn: its residual blocks (attention, then MLP:
-    the MLP calibrated on the quantized attention's output, and SmoothQuant's statistics cost no forward at all),
-    or the whole layer (None) when a modifier calibrates on the full-precision layer, as llm-compressor does
-    (`Modifier.per_block`). GPTQ and AWQ do: on SmolLM2 (w4a16-gptq, 16 x 512 calibration tokens, GPL-3
-    perplexity) per-block GPTQ scored 37.60 and 38.24, per-layer 35.80, 36.31 and 37.48, each pair differing only
-    by float rounding in the solve (GPTQ's 4-bit codes diverge from layer to layer: a spread of about 5 %)."""
+    """The parts of a layer calibrated, quantized and propagated in turn: its residual blocks (attention, then
+    MLP: the MLP calibrated on the quantized attention's output, and SmoothQuant's statistics cost no forward
+    at all), or the whole layer (None) when a modifier calibrates on the full-precision layer, as
+    llm-compressor does (`Modifier.per_block`). GPTQ and AWQ do: on SmolLM2 (w4a16-gptq, 16 x 512 calibration
+    tokens, GPL-3 perplexity) per-block GPTQ scored 37.60 and 38.24, per-layer 35.80, 36.31 and 37.48, each
+    pair differing only by float rounding in the solve (GPTQ's 4-bit codes diverge from layer to layer: a
+    spread of about 5 %)."""
     return job.arch.blocks if all(m.per_block for m in job.recipe.modifiers) else (None,)
 
 
@@ -249,15 +280,27 @@ def _blocks(job: LayerJob) -> tuple[LayerBlock | None, ...]:
 def convert_layer(job: LayerJob, state: StreamState, index: int) -> None:
     """Load, calibrate, quantize and write decoder layer `index`, then move `state` past it."""
     arch, prefix = job.arch, job.arch.layer_prefix(index)
-    layer = fast_layer(arch.build_layer(index, job.reader.get_prefix(prefix, torch.float32)).to(job.device),
-                       job.gemm_dtype)
+    layer = fast_layer(
+        arch.build_layer(index, job.reader.get_prefix(prefix, torch.float32)).to(job.device), job.gemm_dtype
+    )
     targets, layer_ignored, layer_fallbacks = layer_targets(layer, prefix, job.schemes)
     state.ignored += layer_ignored
     state.fallbacks.update(layer_fallbacks)
-    state.fallback_targets.update({prefix + n: t for n, t in targets.items() if prefix + n in layer_fallbacks})
+    state.fallback_targets.update(
+        {prefix + n: t for n, t in targets.items() if prefix + n in layer_fallbacks}
+    )
     state.eval_fp = _forward_all(arch, layer, state.eval_fp)
-    ctx = LayerContext(index, prefix, arch, layer, state.inputs, {}, job.scale_dtype, job.source_block_size,
-                       job.source_float_min)
+    ctx = LayerContext(
+        index,
+        prefix,
+        arch,
+        layer,
+        state.inputs,
+        {},
+        job.scale_dtype,
+        job.source_block_size,
+        job.source_float_min,
+    )
     for block in _blocks(job):
         ctx.block, ctx.inputs, ctx.propagated = block, state.inputs, None
         ctx.propagate_in_place = block is None and len(job.recipe.modifiers) == 1
@@ -269,7 +312,10 @@ def convert_layer(job: LayerJob, state: StreamState, index: int) -> None:
             raise AscqError(f"layer {index}: no modifier in the recipe quantized {prefix}{missing[0]}")
         _round_as_written(layer, block, job.dtype)
         install_quantized(layer, {n: (targets[n], ctx.results[n]) for n in ctx.targets}, integer_gemm=True)
-        k_scale, v_scale = ctx.extra_tensors.get("self_attn.k_scale"), ctx.extra_tensors.get("self_attn.v_scale")
+        k_scale, v_scale = (
+            ctx.extra_tensors.get("self_attn.k_scale"),
+            ctx.extra_tensors.get("self_attn.v_scale"),
+        )
         kv_hook = fp8_kv_hook(k_scale, v_scale) if k_scale is not None else None
         if ctx.propagated is not None and kv_hook is None:
             state.inputs = ctx.propagated
@@ -299,15 +345,26 @@ def stream_convert(
     source_float_min: bool = False,
     gemm_dtype: torch.dtype = torch.float32,
 ) -> StreamResult:
-    """`writer` picks the output format (default: compressed-tensors shards; see msmodelslim.MsModelSlimWriter);
-    `source_block_size`: the source checkpoint's quantization block (`qmath.source_block_size`), `source_float_min`:
-    whether its blocks have float minima (`qmath.source_has_float_min`); `gemm_dtype`: the linears' products in the
-    forwards (`calibration_gemm_dtype`)."""
+    """`writer` picks the output format (default: compressed-tensors shards; see
+    msmodelslim.MsModelSlimWriter); `source_block_size`: the source checkpoint's quantization block
+    (`qmath.source_block_size`), `source_float_min`: whether its blocks have float minima
+    (`qmath.source_has_float_min`); `gemm_dtype`: the linears' products in the forwards
+    (`calibration_gemm_dtype`)."""
     if arch.has_routed_experts:
         return_freed_memory_to_os()
     dtype, scale_dtype = checkpoint_dtypes(reader)
-    job = LayerJob(reader, arch, recipe, writer or ShardWriter(out_dir, max_shard_bytes), device, dtype, scale_dtype,
-                   source_block_size, source_float_min, gemm_dtype)
+    job = LayerJob(
+        reader,
+        arch,
+        recipe,
+        writer or ShardWriter(out_dir, max_shard_bytes),
+        device,
+        dtype,
+        scale_dtype,
+        source_block_size,
+        source_float_min,
+        gemm_dtype,
+    )
     embed = reader.get("model.embed_tokens.weight")
     job.writer.add("model.embed_tokens.weight", embed)
     windows = eval_windows(eval_ids, EVAL_SEQ_LEN) if eval_ids is not None else None
@@ -345,8 +402,15 @@ def _finish(job: LayerJob, state: StreamState, windows: torch.Tensor | None) -> 
     return result
 
 
-def _perplexity(hidden: list[torch.Tensor], windows: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, arch: Architecture) -> float:
-    """`ascq.evaluate.perplexity` over the windows whose last hidden states are `hidden` (same order, same batches)."""
+def _perplexity(
+    hidden: list[torch.Tensor],
+    windows: torch.Tensor,
+    norm: torch.Tensor,
+    head: torch.Tensor,
+    arch: Architecture,
+) -> float:
+    """`ascq.evaluate.perplexity` over the windows whose last hidden states are `hidden` (same order, same
+    batches)."""
     batches = iter(hidden)
 
     def logits_fn(batch_ids: torch.Tensor) -> torch.Tensor:

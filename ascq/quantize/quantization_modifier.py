@@ -17,7 +17,14 @@ from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
 from ascq.quantize.schemes import RecipeError, RecipeScheme, parse_recipe_scheme
 
-ARGS = {"targets": list, "ignore": list, "scheme": str, "config_groups": dict, "kv_cache_scheme": dict, "zp_dtype": str}
+ARGS = {
+    "targets": list,
+    "ignore": list,
+    "scheme": str,
+    "config_groups": dict,
+    "kv_cache_scheme": dict,
+    "zp_dtype": str,
+}
 
 
 class QuantizationModifier(Modifier):
@@ -40,11 +47,17 @@ class QuantizationModifier(Modifier):
     @torch.no_grad()
     def process_layer(self, ctx: LayerContext) -> None:
         owned = [n for n, t in ctx.targets.items() if t.owner is self.scheme and n not in ctx.results]
-        static = [n for n in owned if ctx.targets[n].input_activations is not None and not ctx.targets[n].input_activations.dynamic]
+        static = [
+            n
+            for n in owned
+            if ctx.targets[n].input_activations is not None and not ctx.targets[n].input_activations.dynamic
+        ]
         input_max = ctx.input_absmax(static) if static else {}
         for name in owned:
             target = ctx.targets[name]
-            q, scale, zero_point = observer.quantize_weight(ctx.module(name).weight, target.weights, ctx.scale_dtype)
+            q, scale, zero_point = observer.quantize_weight(
+                ctx.module(name).weight, target.weights, ctx.scale_dtype
+            )
             input_scale = None
             if name in input_max:
                 input_scale = qmath.static_scale(input_max[name].max(), 8, ctx.scale_dtype)

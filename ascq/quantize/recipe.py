@@ -38,15 +38,26 @@ class ComposedRecipe:
     def __post_init__(self) -> None:
         if not self.recipes:
             raise RecipeError("at least one recipe is needed")
-        weight_owners = [(r.name, m.name) for r in self.recipes for m in r.modifiers if _scheme(m) and _scheme(m).config_groups]
+        weight_owners = [
+            (r.name, m.name)
+            for r in self.recipes
+            for m in r.modifiers
+            if _scheme(m) and _scheme(m).config_groups
+        ]
         if len(weight_owners) > 1:
             listed = ", ".join(f"{m} in {r}" for r, m in weight_owners)
-            raise RecipeError(f"more than one modifier quantizes weights ({listed}); combine one weight recipe with fp8-kv")
-        kv_owners = [r.name for r in self.recipes for m in r.modifiers if _scheme(m) and _scheme(m).kv_cache_scheme]
+            raise RecipeError(
+                f"more than one modifier quantizes weights ({listed}); combine one weight recipe with fp8-kv"
+            )
+        kv_owners = [
+            r.name for r in self.recipes for m in r.modifiers if _scheme(m) and _scheme(m).kv_cache_scheme
+        ]
         if len(kv_owners) > 1:
             raise RecipeError(f"more than one recipe sets kv_cache_scheme ({', '.join(kv_owners)})")
         if not any(_scheme(m) for m in self.modifiers):
-            raise RecipeError(f"recipe {'+'.join(self.names)} quantizes nothing (no QuantizationModifier or scheme)")
+            raise RecipeError(
+                f"recipe {'+'.join(self.names)} quantizes nothing (no QuantizationModifier or scheme)"
+            )
 
     @property
     def names(self) -> list[str]:
@@ -70,7 +81,9 @@ def parse_recipe(name: str, text: str) -> Recipe:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise RecipeError(f"recipe {name}: malformed YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+        raise RecipeError(
+            f"recipe {name}: malformed YAML{where}: {getattr(exc, 'problem', None) or exc}"
+        ) from None
     if not isinstance(data, dict):
         raise RecipeError(f"recipe {name}: expected a mapping of stages, got {type(data).__name__}")
     description = data.get("description", "")
@@ -82,14 +95,17 @@ def parse_recipe(name: str, text: str) -> Recipe:
         if stage == "description":
             continue
         if not stage.endswith("_stage") or not isinstance(groups, dict):
-            raise RecipeError(f"recipe {name}: top-level key {stage!r} must be a '<name>_stage' mapping (or description)")
+            raise RecipeError(
+                f"recipe {name}: top-level key {stage!r} must be a '<name>_stage' mapping (or description)"
+            )
         for group, entries in groups.items():
             if not str(group).endswith("_modifiers") or not isinstance(entries, dict):
                 raise RecipeError(f"recipe {name}: {stage}.{group} must be a '<name>_modifiers' mapping")
             for modifier_name, args in entries.items():
                 if modifier_name not in classes:
                     raise RecipeError(
-                        f"recipe {name}: unknown modifier {modifier_name!r} (known: {', '.join(sorted(classes))})"
+                        f"recipe {name}: unknown modifier {modifier_name!r} (known: "
+                        f"{', '.join(sorted(classes))})"
                     )
                 try:
                     modifiers.append(classes[modifier_name].from_args(args or {}))
@@ -115,7 +131,9 @@ def load_recipe(name_or_path: str) -> Recipe:
         return parse_recipe(path.stem, path.read_text())
     shipped = available_recipes()
     if name_or_path not in shipped:
-        raise RecipeError(f"unknown recipe {name_or_path!r}; available: {', '.join(shipped)} (or a path to a .yaml file)")
+        raise RecipeError(
+            f"unknown recipe {name_or_path!r}; available: {', '.join(shipped)} (or a path to a .yaml file)"
+        )
     return parse_recipe(name_or_path, shipped[name_or_path].read_text())
 
 

@@ -1,9 +1,10 @@
-"""ascq's own dequantized reference forward of a compressed-tensors checkpoint (and of the converter's layers).
+"""ascq's own dequantized reference forward of a compressed-tensors checkpoint (and of the converter's
+layers).
 
 Weights: decompressed by `ascq.formats.compressed_tensors` (the byte layout of the pinned library) and
-dequantized with `qmath`. Activations: fake-quantized at each quantized linear's input as the scheme says (dynamic
-symmetric per token, or the static per-tensor `input_scale`). FP8 KV: post-RoPE keys/values fake-quantized to e4m3
-with `k_scale`/`v_scale`. Everything in fp32, one decoder layer in memory at a time.
+dequantized with `qmath`. Activations: fake-quantized at each quantized linear's input as the scheme says
+(dynamic symmetric per token, or the static per-tensor `input_scale`). FP8 KV: post-RoPE keys/values
+fake-quantized to e4m3 with `k_scale`/`v_scale`. Everything in fp32, one decoder layer in memory at a time.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from ascq.quantize.schemes import LinearTarget, RecipeScheme, resolve_target
 
 
 def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None, shared: dict | None = None):
-    """Fake-quantize a linear's input. `shared`: one dict for the linears of a layer, so that linears reading the
-    same tensor with the same quantizer (q/k/v, gate/up) quantize it once (the last input is kept in it)."""
+    """Fake-quantize a linear's input. `shared`: one dict for the linears of a layer, so that linears reading
+    the same tensor with the same quantizer (q/k/v, gate/up) quantize it once (the last input is kept in
+    it)."""
 
     def hook(module: nn.Module, inputs: tuple) -> tuple:
         x = inputs[0]
@@ -52,10 +54,10 @@ def activation_pre_hook(args: QuantizationArgs, input_scale: torch.Tensor | None
 def install_quantized(
     layer: nn.Module, quantized: dict[str, tuple[LinearTarget, QuantizedLinear]], integer_gemm: bool = False
 ) -> list[RemovableHandle]:
-    """Replace each linear's weight by its dequantized value and fake-quantize its input; returns the hook handles.
-    `integer_gemm` (the converter's propagation): where `integer_gemm_applies`, the linear multiplies the integer
-    codes instead (`integer_forward`); the reference forward keeps the fake-quantized fp32 product, which the served
-    reference backend reproduces bit for bit."""
+    """Replace each linear's weight by its dequantized value and fake-quantize its input; returns the hook
+    handles. `integer_gemm` (the converter's propagation): where `integer_gemm_applies`, the linear multiplies
+    the integer codes instead (`integer_forward`); the reference forward keeps the fake-quantized fp32
+    product, which the served reference backend reproduces bit for bit."""
     handles, shared = [], {}
     for name, (target, ql) in quantized.items():
         linear = layer.get_submodule(name)
@@ -63,7 +65,11 @@ def install_quantized(
         if integer_gemm and integer_gemm_applies(target, linear):
             linear.forward = functools.partial(integer_forward, IntegerWeights.of(target, ql, linear), shared)
         elif target.input_activations is not None:
-            handles.append(linear.register_forward_pre_hook(activation_pre_hook(target.input_activations, ql.input_scale, shared)))
+            handles.append(
+                linear.register_forward_pre_hook(
+                    activation_pre_hook(target.input_activations, ql.input_scale, shared)
+                )
+            )
     return handles
 
 
@@ -74,8 +80,9 @@ def set_dequantized_weight(linear: nn.Linear, target: LinearTarget, ql: Quantize
 
 
 def shared_result(shared: dict, x: torch.Tensor, key: object, compute) -> object:
-    """`compute()` of the input `x`, reused while linears read the same, unchanged tensor with the same quantizer
-    (`key`): q/k/v and gate/up quantize their input once. `shared` holds the last one (one dict per layer)."""
+    """`compute()` of the input `x`, reused while linears read the same, unchanged tensor with the same
+    quantizer (`key`): q/k/v and gate/up quantize their input once. `shared` holds the last one (one dict per
+    layer)."""
     if shared.get("input") is x and shared["version"] == x._version and shared["key"] == key:
         return shared["output"]
     output = compute()
@@ -84,13 +91,24 @@ def shared_result(shared: dict, x: torch.Tensor, key: object, compute) -> object
 
 
 def integer_gemm_applies(target: LinearTarget, linear: nn.Linear) -> bool:
-    """Symmetric integer weights with one scale per output row and symmetric integer activations (W8A8, W4A8): the
-    product of the codes is exact in int32, so it runs as torch's int8 GEMM where that is fast (`cpu.INT8_GEMM_FAST`)
-    instead of an fp32 GEMM of the fake-quantized values; the two agree up to fp32 rounding."""
+    """Symmetric integer weights with one scale per output row and symmetric integer activations (W8A8, W4A8):
+    the product of the codes is exact in int32, so it runs as torch's int8 GEMM where that is fast
+    (`cpu.INT8_GEMM_FAST`) instead of an fp32 GEMM of the fake-quantized values; the two agree up to fp32
+    rounding."""
     w, a = target.weights, target.input_activations
-    return (cpu.INT8_GEMM_FAST and platform_for(linear.weight.device).is_cpu and a is not None
-            and w.type == "int" and a.type == "int" and w.symmetric and a.symmetric and w.num_bits <= 8
-            and a.num_bits <= 8 and str(w.strategy) in ("channel", "tensor") and str(a.strategy) in ("token", "tensor"))
+    return (
+        cpu.INT8_GEMM_FAST
+        and platform_for(linear.weight.device).is_cpu
+        and a is not None
+        and w.type == "int"
+        and a.type == "int"
+        and w.symmetric
+        and a.symmetric
+        and w.num_bits <= 8
+        and a.num_bits <= 8
+        and str(w.strategy) in ("channel", "tensor")
+        and str(a.strategy) in ("token", "tensor")
+    )
 
 
 @dataclasses.dataclass
@@ -105,12 +123,16 @@ class IntegerWeights:
     def of(cls, target: LinearTarget, ql: QuantizedLinear, linear: nn.Linear) -> IntegerWeights:
         bias = None if linear.bias is None else linear.bias.detach().float()
         input_scale = None if ql.input_scale is None else ql.input_scale.float().reshape(())
-        return cls(ql.q.t().contiguous(), ql.scale.float().reshape(-1), bias, target.input_activations, input_scale)
+        return cls(
+            ql.q.t().contiguous(), ql.scale.float().reshape(-1), bias, target.input_activations, input_scale
+        )
 
 
-def integer_codes(x: torch.Tensor, weights: IntegerWeights, shared: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes [tokens, in], fp32 scale [tokens, 1] or []) of a linear's input, as served; linears reading the
-    same tensor with the same quantizer (q/k/v, gate/up) reuse it through `shared`."""
+def integer_codes(
+    x: torch.Tensor, weights: IntegerWeights, shared: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [tokens, in], fp32 scale [tokens, 1] or []) of a linear's input, as served; linears reading
+    the same tensor with the same quantizer (q/k/v, gate/up) reuse it through `shared`."""
 
     def codes() -> tuple[torch.Tensor, torch.Tensor]:
         rows = x.reshape(-1, x.shape[-1])
@@ -118,10 +140,17 @@ def integer_codes(x: torch.Tensor, weights: IntegerWeights, shared: dict) -> tup
         if weights.activations.dynamic:
             q, scale = qmath.quantize_per_token(rows, num_bits)
         else:
-            q, scale = qmath.quantize_static_input(rows, weights.input_scale, None, num_bits), weights.input_scale
+            q, scale = (
+                qmath.quantize_static_input(rows, weights.input_scale, None, num_bits),
+                weights.input_scale,
+            )
         return q.to(torch.int8), scale
 
-    key = ("integer", weights.activations, None if weights.input_scale is None else weights.input_scale.item())
+    key = (
+        "integer",
+        weights.activations,
+        None if weights.input_scale is None else weights.input_scale.item(),
+    )
     return shared_result(shared, x, key, codes)
 
 
@@ -135,7 +164,9 @@ def integer_forward(weights: IntegerWeights, shared: dict, x: torch.Tensor) -> t
 
 def fp8_kv_hook(k_scale: torch.Tensor, v_scale: torch.Tensor) -> KVHook:
     def hook(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return qmath.fp8_fake_quantize(key, k_scale.to(key.device)), qmath.fp8_fake_quantize(value, v_scale.to(value.device))
+        return qmath.fp8_fake_quantize(key, k_scale.to(key.device)), qmath.fp8_fake_quantize(
+            value, v_scale.to(value.device)
+        )
 
     return hook
 
@@ -149,18 +180,26 @@ class QuantizedCheckpoint:
         if "quantization_config" not in config:
             raise AscqError(f"{entry_dir}: config.json has no quantization_config")
         self.qconfig = QuantizationConfig.model_validate(config["quantization_config"])
-        self.scheme = RecipeScheme("checkpoint", dict(self.qconfig.config_groups), list(self.qconfig.ignore or []))
+        self.scheme = RecipeScheme(
+            "checkpoint", dict(self.qconfig.config_groups), list(self.qconfig.ignore or [])
+        )
         self.arch = architecture_from_config({k: v for k, v in config.items() if k != "quantization_config"})
         self.reader = CheckpointReader(self.entry_dir)
 
-    def layer(self, index: int, device: str = "cpu") -> tuple[nn.Module, dict[str, tuple[LinearTarget, QuantizedLinear]], KVHook | None]:
+    def layer(
+        self, index: int, device: str = "cpu"
+    ) -> tuple[nn.Module, dict[str, tuple[LinearTarget, QuantizedLinear]], KVHook | None]:
         prefix = self.arch.layer_prefix(index)
         raw = self.reader.get_prefix(prefix)
         with torch.device("meta"):
             skeleton = self.arch.new_layer(index)
         state, quantized = {}, {}
         for name, module in skeleton.named_modules():
-            target = resolve_target(prefix + name, module, [self.scheme]) if isinstance(module, nn.Linear) else None
+            target = (
+                resolve_target(prefix + name, module, [self.scheme])
+                if isinstance(module, nn.Linear)
+                else None
+            )
             if target is not None:
                 quantized[name] = (target, self._quantized_linear(raw, name, target))
                 state[f"{name}.weight"] = torch.empty(module.weight.shape)
@@ -171,12 +210,18 @@ class QuantizedCheckpoint:
                 state[key] = tensor.float()
         layer = self.arch.build_layer(index, state).to(device)
         install_quantized(layer, quantized)
-        kv_hook = fp8_kv_hook(k_scale, v_scale) if k_scale is not None and self.qconfig.kv_cache_scheme else None
+        kv_hook = (
+            fp8_kv_hook(k_scale, v_scale) if k_scale is not None and self.qconfig.kv_cache_scheme else None
+        )
         return layer, quantized, kv_hook
 
-    def _quantized_linear(self, raw: dict[str, torch.Tensor], name: str, target: LinearTarget) -> QuantizedLinear:
+    def _quantized_linear(
+        self, raw: dict[str, torch.Tensor], name: str, target: LinearTarget
+    ) -> QuantizedLinear:
         prefix = f"{name}."
-        tensors = {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix) and k[len(prefix):] != "bias"}
+        tensors = {
+            k[len(prefix) :]: v for k, v in raw.items() if k.startswith(prefix) and k[len(prefix) :] != "bias"
+        }
         return ct.quantized_linear(tensors, target.weights.num_bits)
 
 
@@ -193,5 +238,9 @@ def reference_logits(entry_dir: str | Path, input_ids: torch.Tensor, device: str
         hidden = arch.forward_layer(layer, hidden, position_ids, kv_hook=kv_hook)
         del layer
     hidden = rms_norm(hidden, reader.get("model.norm.weight").float().to(device), arch.rms_norm_eps)
-    head = "model.embed_tokens.weight" if arch.tie_word_embeddings and "lm_head.weight" not in reader else "lm_head.weight"
+    head = (
+        "model.embed_tokens.weight"
+        if arch.tie_word_embeddings and "lm_head.weight" not in reader
+        else "lm_head.weight"
+    )
     return hidden @ reader.get(head).float().to(device).T

@@ -13,6 +13,10 @@ def modifier_classes() -> dict[str, type[Modifier]]:
     from ascq.quantize.smoothquant import SmoothQuantModifier
 
     classes: list[type[Modifier]] = [
-        SmoothQuantModifier, QuantizationModifier, AWQModifier, GPTQModifier, KVCacheInt8Modifier,
+        SmoothQuantModifier,
+        QuantizationModifier,
+        AWQModifier,
+        GPTQModifier,
+        KVCacheInt8Modifier,
     ]
     return {cls.name: cls for cls in classes}

@@ -1,8 +1,8 @@
 """Quantization schemes of a recipe, as compressed-tensors `QuantizationScheme`s, and which linear gets which.
 
-A quantizing modifier's arguments (`targets`, `ignore`, `scheme` preset or `config_groups`, `kv_cache_scheme`) are
-parsed into a `RecipeScheme`; matching uses compressed-tensors' own matcher so a checkpoint's `config_groups` and
-`ignore` select exactly the linears that were quantized when transformers or vLLM read it.
+A quantizing modifier's arguments (`targets`, `ignore`, `scheme` preset or `config_groups`, `kv_cache_scheme`)
+are parsed into a `RecipeScheme`; matching uses compressed-tensors' own matcher so a checkpoint's
+`config_groups` and `ignore` select exactly the linears that were quantized when transformers or vLLM read it.
 """
 
 from __future__ import annotations
@@ -28,12 +28,19 @@ DEFAULT_TARGETS = ["Linear"]
 DEFAULT_IGNORE = list(architecture.DEFAULT_IGNORE)
 ALWAYS_IGNORE = list(architecture.NEVER_QUANTIZED)
 SUPPORTED_PRESETS = ("W8A8", "W4A16", "W4A16_ASYM", "W8A16", "W4A8")
-# A modifier's `zp_dtype` (compressed-tensors' `QuantizationArgs.zp_dtype`, for every group it declares; a config
-# group's `weights.zp_dtype` sets one group's): `auto` lets the planner choose (`fit_group_sizes`: float for a source
-# with float block minima at its own block size, else int); `int` keeps integer zero points (what vLLM's int4
-# kernels and compressed-tensors' packed format take); a float dtype stores unrounded zero points.
-ZP_DTYPES = {"auto": None, "int": torch.int8, "int8": torch.int8, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "float32": torch.float32}  # fmt: skip
+# A modifier's `zp_dtype` (compressed-tensors' `QuantizationArgs.zp_dtype`, for every group it declares; a
+# config group's `weights.zp_dtype` sets one group's): `auto` lets the planner choose (`fit_group_sizes`:
+# float for a source with float block minima at its own block size, else int); `int` keeps integer zero points
+# (what vLLM's int4 kernels and compressed-tensors' packed format take); a float dtype stores unrounded zero
+# points.
+ZP_DTYPES = {
+    "auto": None,
+    "int": torch.int8,
+    "int8": torch.int8,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
 
 
 class RecipeError(AscqError):
@@ -56,7 +63,9 @@ class LinearTarget:
 
     @property
     def scheme(self) -> QuantizationScheme:
-        return QuantizationScheme(targets=["Linear"], weights=self.weights, input_activations=self.input_activations)
+        return QuantizationScheme(
+            targets=["Linear"], weights=self.weights, input_activations=self.input_activations
+        )
 
 
 def _args(owner: str, where: str, value: Any) -> QuantizationArgs:
@@ -72,18 +81,29 @@ def _args(owner: str, where: str, value: Any) -> QuantizationArgs:
 
 def _check_supported(owner: str, group: str, scheme: QuantizationScheme) -> None:
     w, a = scheme.weights, scheme.input_activations
-    if w is None or w.type != "int" or w.num_bits not in (4, 8) or w.strategy not in ("channel", "group", "tensor"):
-        raise UnsupportedError(f"{owner}: {group}: weights must be int4 or int8 with strategy channel, group or tensor")
+    if (
+        w is None
+        or w.type != "int"
+        or w.num_bits not in (4, 8)
+        or w.strategy not in ("channel", "group", "tensor")
+    ):
+        raise UnsupportedError(
+            f"{owner}: {group}: weights must be int4 or int8 with strategy channel, group or tensor"
+        )
     if w.dynamic:
         raise UnsupportedError(f"{owner}: {group}: dynamic weight quantization is not supported")
     if w.observer is not None and w.observer not in observer.WEIGHT_OBSERVERS:
-        raise UnsupportedError(f"{owner}: {group}: weight observer {w.observer!r} is not supported; use one of "
-                               f"{', '.join(observer.WEIGHT_OBSERVERS)}")
+        raise UnsupportedError(
+            f"{owner}: {group}: weight observer {w.observer!r} is not supported; use one of "
+            f"{', '.join(observer.WEIGHT_OBSERVERS)}"
+        )
     options = set(observer.MSE_DEFAULTS) if w.observer == "mse" else set()  # the min-max observers take none
     unknown = set(w.observer_kwargs or {}) - options
     if unknown:
-        raise UnsupportedError(f"{owner}: {group}: observer_kwargs {sorted(unknown)[0]!r} is not supported for "
-                               f"observer {w.observer!r}")
+        raise UnsupportedError(
+            f"{owner}: {group}: observer_kwargs {sorted(unknown)[0]!r} is not supported for "
+            f"observer {w.observer!r}"
+        )
     if "zp_dtype" in w.model_fields_set:
         _check_zp_dtype(owner, group, scheme)
     if a is None:
@@ -92,23 +112,30 @@ def _check_supported(owner: str, group: str, scheme: QuantizationScheme) -> None
     static_tensor = a.dynamic is False and a.strategy == "tensor"
     if a.type != "int" or a.num_bits != 8 or not a.symmetric or not (dynamic_token or static_tensor):
         raise UnsupportedError(
-            f"{owner}: {group}: input activations must be int8 symmetric, dynamic per-token or static per-tensor"
+            f"{owner}: {group}: input activations must be int8 symmetric, dynamic per-token or static "
+            f"per-tensor"
         )
 
 
 def _check_zp_dtype(owner: str, group: str, scheme: QuantizationScheme) -> None:
     w = scheme.weights
     if w.zp_dtype not in ZP_DTYPES.values():
-        raise UnsupportedError(f"{owner}: {group}: zp_dtype {_dtype_name(w.zp_dtype)} is not supported; use one of "
-                               f"{', '.join(ZP_DTYPES)}")
+        raise UnsupportedError(
+            f"{owner}: {group}: zp_dtype {_dtype_name(w.zp_dtype)} is not supported; use one of "
+            f"{', '.join(ZP_DTYPES)}"
+        )
     if not w.zp_dtype.is_floating_point:
         return
     if w.symmetric:
-        raise UnsupportedError(f"{owner}: {group}: zp_dtype {_dtype_name(w.zp_dtype)} needs asymmetric weights "
-                               "(symmetric: false, e.g. scheme W4A16_ASYM); symmetric weights have no zero point")
+        raise UnsupportedError(
+            f"{owner}: {group}: zp_dtype {_dtype_name(w.zp_dtype)} needs asymmetric weights "
+            "(symmetric: false, e.g. scheme W4A16_ASYM); symmetric weights have no zero point"
+        )
     if scheme.input_activations is not None or w.strategy != "group":
-        raise UnsupportedError(f"{owner}: {group}: float zero points (zp_dtype {_dtype_name(w.zp_dtype)}) are "
-                               "supported for weight-only group schemes (W4A16_ASYM) only")
+        raise UnsupportedError(
+            f"{owner}: {group}: float zero points (zp_dtype {_dtype_name(w.zp_dtype)}) are "
+            "supported for weight-only group schemes (W4A16_ASYM) only"
+        )
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -123,15 +150,26 @@ def _with_zp_dtype(owner: str, groups: dict[str, QuantizationScheme], value: Any
         return
     for group, scheme in groups.items():
         if "zp_dtype" in scheme.weights.model_fields_set:
-            raise RecipeError(f"{owner}: give zp_dtype either as the modifier's argument or in config_groups.{group}.weights, not both")
+            raise RecipeError(
+                f"{owner}: give zp_dtype either as the modifier's argument or in "
+                f"config_groups.{group}.weights, not both"
+            )
         weights = scheme.weights.model_copy(update={"zp_dtype": ZP_DTYPES[value]})
         groups[group] = scheme.model_copy(update={"weights": weights})
 
 
 def _kv_args(owner: str, value: Any) -> QuantizationArgs:
     args = _args(owner, "kv_cache_scheme", value)
-    if args.type != "float" or args.num_bits != 8 or args.strategy != "tensor" or args.dynamic or not args.symmetric:
-        raise UnsupportedError(f"{owner}: kv_cache_scheme must be fp8 (type float, num_bits 8) static per-tensor symmetric")
+    if (
+        args.type != "float"
+        or args.num_bits != 8
+        or args.strategy != "tensor"
+        or args.dynamic
+        or not args.symmetric
+    ):
+        raise UnsupportedError(
+            f"{owner}: kv_cache_scheme must be fp8 (type float, num_bits 8) static per-tensor symmetric"
+        )
     return args
 
 
@@ -142,7 +180,8 @@ def _str_list(owner: str, key: str, value: Any) -> list[str]:
 
 
 def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None:
-    """The scheme part of a modifier's arguments; None when it declares neither weights nor KV quantization."""
+    """The scheme part of a modifier's arguments; None when it declares neither weights nor KV
+    quantization."""
     targets = _str_list(owner, "targets", args.get("targets", DEFAULT_TARGETS))
     ignore = _str_list(owner, "ignore", args.get("ignore", DEFAULT_IGNORE))
     if "scheme" in args and "config_groups" in args:
@@ -151,7 +190,9 @@ def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None
     if "scheme" in args:
         name = args["scheme"]
         if not isinstance(name, str) or name.upper() not in SUPPORTED_PRESETS:
-            raise UnsupportedError(f"{owner}: scheme {name!r} is not supported; use one of {', '.join(SUPPORTED_PRESETS)}")
+            raise UnsupportedError(
+                f"{owner}: scheme {name!r} is not supported; use one of {', '.join(SUPPORTED_PRESETS)}"
+            )
         groups["group_0"] = preset_name_to_scheme(name, targets)
     for group, spec in (args.get("config_groups") or {}).items():
         if not isinstance(spec, dict) or "weights" not in spec:
@@ -162,7 +203,9 @@ def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None
         groups[group] = QuantizationScheme(
             targets=_str_list(owner, f"config_groups.{group}.targets", spec.get("targets", targets)),
             weights=_args(owner, f"config_groups.{group}.weights", spec["weights"]),
-            input_activations=_args(owner, f"config_groups.{group}.input_activations", spec["input_activations"])
+            input_activations=_args(
+                owner, f"config_groups.{group}.input_activations", spec["input_activations"]
+            )
             if spec.get("input_activations") is not None
             else None,
         )
@@ -178,8 +221,11 @@ def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None
     return RecipeScheme(owner=owner, config_groups=groups, ignore=ignore, kv_cache_scheme=kv)
 
 
-def _match(name: str, module: nn.Module, schemes: list[RecipeScheme]) -> tuple[RecipeScheme, QuantizationScheme] | None:
-    """(recipe scheme, config group) of one module (full name): the first recipe scheme whose groups match it."""
+def _match(
+    name: str, module: nn.Module, schemes: list[RecipeScheme]
+) -> tuple[RecipeScheme, QuantizationScheme] | None:
+    """(recipe scheme, config group) of one module (full name): the first recipe scheme whose groups match
+    it."""
     if ct.is_ignored(name, ALWAYS_IGNORE, module):
         return None
     for recipe_scheme in schemes:
@@ -200,8 +246,9 @@ def resolve_target(name: str, module: nn.Module, schemes: list[RecipeScheme]) ->
 
 @dataclasses.dataclass(frozen=True)
 class GroupSizeFit:
-    """A config group whose recipe group size does not divide every linear it quantizes (`qmath.fitted_group_size`),
-    or follows the source's quantization blocks, or whose zero points are floats (`zp_dtype`)."""
+    """A config group whose recipe group size does not divide every linear it quantizes
+    (`qmath.fitted_group_size`), or follows the source's quantization blocks, or whose zero points are floats
+    (`zp_dtype`)."""
 
     modifier: str
     group: str
@@ -210,7 +257,9 @@ class GroupSizeFit:
     in_features: tuple[int, ...]  # the input widths of the group's linears
     source_block_size: int | None = None  # the source checkpoint's quantization block (GGUF), if any
     zp_dtype: str | None = None  # float zero points' dtype ("bfloat16"); None: integer zero points
-    zp_dtype_from: str | None = None  # "source" (planner: float block minima) or "recipe" (the recipe's zp_dtype)
+    zp_dtype_from: str | None = (
+        None  # "source" (planner: float block minima) or "recipe" (the recipe's zp_dtype)
+    )
 
     def message(self) -> str:
         return f"{self.modifier} {self.group}: {group_size_fit_text(self.record())}"
@@ -220,26 +269,34 @@ class GroupSizeFit:
 
 
 def _planned_zp_dtype(
-    weights: QuantizationArgs, activations: QuantizationArgs | None, group_size: int | None,
-    source_block_size: int | None, source_float_min: bool, scale_dtype: torch.dtype,
+    weights: QuantizationArgs,
+    activations: QuantizationArgs | None,
+    group_size: int | None,
+    source_block_size: int | None,
+    source_float_min: bool,
+    scale_dtype: torch.dtype,
 ) -> torch.dtype | None:
-    """The float zero-point dtype the planner picks for a group whose recipe leaves zp_dtype to it (None: int):
-    the checkpoint's scale dtype when the source's blocks have float minima and the group is one source block, the
-    only case where it keeps the source's grid exactly (an int zero point moves every block by up to half a step)."""
+    """The float zero-point dtype the planner picks for a group whose recipe leaves zp_dtype to it (None:
+    int): the checkpoint's scale dtype when the source's blocks have float minima and the group is one source
+    block, the only case where it keeps the source's grid exactly (an int zero point moves every block by up
+    to half a step)."""
     if not source_float_min or weights.symmetric or activations is not None or weights.type != "int":
         return None
     return scale_dtype if group_size is not None and group_size == source_block_size else None
 
 
 def fit_group_sizes(
-    schemes: list[RecipeScheme], linears: Iterable[tuple[str, nn.Module]], source_block_size: int | None = None,
-    source_float_min: bool = False, scale_dtype: torch.dtype = torch.bfloat16,
+    schemes: list[RecipeScheme],
+    linears: Iterable[tuple[str, nn.Module]],
+    source_block_size: int | None = None,
+    source_float_min: bool = False,
+    scale_dtype: torch.dtype = torch.bfloat16,
 ) -> list[GroupSizeFit]:
-    """Give every grouped config group the one group size `qmath.block_aligned_group_size` picks over the linears
-    (full name, module) it quantizes and the source's quantization block (`qmath.source_block_size`), and its zero
-    points' dtype (`_planned_zp_dtype`, unless the recipe sets zp_dtype), in place, before any layer is converted:
-    quantizers, the writer and `quantization_config` then all read them from the scheme. Returns the groups whose
-    group size changed or whose zero points are floats."""
+    """Give every grouped config group the one group size `qmath.block_aligned_group_size` picks over the
+    linears (full name, module) it quantizes and the source's quantization block (`qmath.source_block_size`),
+    and its zero points' dtype (`_planned_zp_dtype`, unless the recipe sets zp_dtype), in place, before any
+    layer is converted: quantizers, the writer and `quantization_config` then all read them from the scheme.
+    Returns the groups whose group size changed or whose zero points are floats."""
     owners = {id(g): (rs, key) for rs in schemes for key, g in rs.config_groups.items()}
     widths: dict[int, set[int]] = {}
     for name, module in linears:
@@ -255,19 +312,37 @@ def fit_group_sizes(
         update: dict[str, Any] = {} if fitted in (None, recipe_size) else {"group_size": fitted}
         zp_from = "recipe" if float_zero_point(scheme.weights) else None
         if "zp_dtype" not in scheme.weights.model_fields_set:
-            planned = _planned_zp_dtype(scheme.weights, scheme.input_activations, fitted, source_block_size,
-                                        source_float_min, scale_dtype)
+            planned = _planned_zp_dtype(
+                scheme.weights,
+                scheme.input_activations,
+                fitted,
+                source_block_size,
+                source_float_min,
+                scale_dtype,
+            )
             if planned is not None:
                 update["zp_dtype"], zp_from = planned, "source"
         if fitted is None and zp_from is not None:
-            raise UnsupportedError(f"{recipe_scheme.owner} {key}: float zero points need a group size that divides "
-                                   f"every input width ({', '.join(map(str, sorted(seen)))})")
+            raise UnsupportedError(
+                f"{recipe_scheme.owner} {key}: float zero points need a group size that divides "
+                f"every input width ({', '.join(map(str, sorted(seen)))})"
+            )
         if fitted == recipe_size and zp_from is None:
             continue
         weights = scheme.weights.model_copy(update=update)
         zp_name = _dtype_name(weights.zp_dtype) if zp_from else None
-        fits.append(GroupSizeFit(recipe_scheme.owner, key, recipe_size, fitted, tuple(sorted(seen)), source_block_size,
-                                 zp_name, zp_from))
+        fits.append(
+            GroupSizeFit(
+                recipe_scheme.owner,
+                key,
+                recipe_size,
+                fitted,
+                tuple(sorted(seen)),
+                source_block_size,
+                zp_name,
+                zp_from,
+            )
+        )
         if update:
             recipe_scheme.config_groups[key] = scheme.model_copy(update={"weights": weights})
     return fits

@@ -1,4 +1,5 @@
-"""Synthetic checkpoints with real tensor names and shapes and random weights, for streaming tests and benchmarks.
+"""Synthetic checkpoints with real tensor names and shapes and random weights, for streaming tests and
+benchmarks.
 
 Written tensor by tensor into shards (never a whole model in memory), with a byte-level tokenizer, so
 `ascq convert` runs on them exactly as on a downloaded checkpoint. Not a model: the weights are noise.
@@ -17,6 +18,7 @@ from ascq.quantize.layout import checkpoint_tensors
 
 EOS = "<|endoftext|>"
 
+
 def write_byte_tokenizer(out_dir: Path) -> None:
     """A byte-level BPE tokenizer with no merges (257 tokens: 256 bytes + `<|endoftext|>` = id 256)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -33,7 +35,11 @@ def write_byte_tokenizer(out_dir: Path) -> None:
 
 
 def write_synthetic_checkpoint(
-    out_dir: Path, config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 30
+    out_dir: Path,
+    config: dict[str, Any],
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 2 << 30,
 ) -> int:
     """Write config.json, tokenizer and random-weight shards; returns the checkpoint's size in bytes."""
     out_dir = Path(out_dir)

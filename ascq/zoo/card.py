@@ -1,6 +1,6 @@
 """`ascq zoo card`: an entry's README.md model card, metadata in the Hub's conventions for quantized models
-(base_model, base_model_relation, library_name, pipeline_tag, tags, license inherited from the base model), built and
-parsed back with huggingface_hub's `ModelCard` / `ModelCardData`.
+(base_model, base_model_relation, library_name, pipeline_tag, tags, license inherited from the base model),
+built and parsed back with huggingface_hub's `ModelCard` / `ModelCardData`.
 """
 
 from __future__ import annotations
@@ -20,16 +20,20 @@ CARD_NAME = "README.md"
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 SCHEME_TEXT = {
     "dense": "unquantized weights",
-    "w8a8_dynamic": "int8 weights (per output channel, symmetric) and int8 activations quantized per token at run time",
-    "w8a8_static": "int8 weights (per output channel, symmetric) and int8 activations with a calibrated static scale",
+    "w8a8_dynamic": "int8 weights (per output channel, symmetric) and int8 activations quantized per token "
+    "at run time",
+    "w8a8_static": "int8 weights (per output channel, symmetric) and int8 activations with a calibrated "
+    "static scale",
     "w4a16": "int4 weights (grouped along the input dimension), 16-bit activations (weight-only)",
     "w8a16": "int8 weights (per output channel), 16-bit activations (weight-only)",
-    "w4a8_dynamic": "int4 weights (per output channel, symmetric) and int8 activations quantized per token at run time",
+    "w4a8_dynamic": "int4 weights (per output channel, symmetric) and int8 activations quantized per token "
+    "at run time",
 }
 
 
 def render_card(entry_dir: Path, repo_id: str | None = None) -> str:
-    """The model card text; `repo_id` (ORG/NAME) is used in the serving commands, else the entry's zoo name."""
+    """The model card text; `repo_id` (ORG/NAME) is used in the serving commands, else the entry's zoo
+    name."""
     entry_dir = Path(entry_dir)
     manifest = read_manifest(entry_dir)
     config = _read_json(entry_dir / "config.json")
@@ -43,31 +47,37 @@ def render_card(entry_dir: Path, repo_id: str | None = None) -> str:
         **license_fields,
         **({"base_model_relation": "quantized"} if quantized and manifest.get("base_model") else {}),
     )
-    body = "\n".join([
-        f"# {manifest['name']}\n",
-        _summary(manifest, config),
-        _recipe_section(manifest),
-        *([_plan_section(manifest["planned"])] if manifest.get("planned") else []),
-        _quality_section(manifest),
-        _serve_section(manifest, config, repo_id or _local_ref(entry_dir), from_hub=repo_id is not None),
-        "## Files\n",
-        f"`ascq.json` lists every file with its size and sha256; `ascq zoo verify {manifest['name']}` checks them, "
-        "that the config and tokenizer load, and that the tensor names match the format.\n",
-    ])
+    body = "\n".join(
+        [
+            f"# {manifest['name']}\n",
+            _summary(manifest, config),
+            _recipe_section(manifest),
+            *([_plan_section(manifest["planned"])] if manifest.get("planned") else []),
+            _quality_section(manifest),
+            _serve_section(manifest, config, repo_id or _local_ref(entry_dir), from_hub=repo_id is not None),
+            "## Files\n",
+            f"`ascq.json` lists every file with its size and sha256; `ascq zoo verify {manifest['name']}` "
+            f"checks them, "
+            "that the config and tokenizer load, and that the tensor names match the format.\n",
+        ]
+    )
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
     ModelCard(str(card))  # parse back: fails on metadata the library cannot read
     return str(card)
 
 
 def write_card(entry_dir: Path, repo_id: str | None = None) -> Path:
-    """Write README.md into the entry and record it in the manifest (only that record changes, so a tampered file
-    elsewhere still fails verify)."""
+    """Write README.md into the entry and record it in the manifest (only that record changes, so a tampered
+    file elsewhere still fails verify)."""
     entry_dir = Path(entry_dir)
     text = render_card(entry_dir, repo_id)
     manifest = read_manifest(entry_dir)
     atomic_write(entry_dir / CARD_NAME, text.encode())
     files = dict(manifest.get("files") or {})
-    files[CARD_NAME] = {"size": (entry_dir / CARD_NAME).stat().st_size, "sha256": sha256_file(entry_dir / CARD_NAME)}
+    files[CARD_NAME] = {
+        "size": (entry_dir / CARD_NAME).stat().st_size,
+        "sha256": sha256_file(entry_dir / CARD_NAME),
+    }
     manifest["files"] = dict(sorted(files.items()))
     atomic_write(entry_dir / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
     return entry_dir / CARD_NAME
@@ -81,7 +91,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _local_ref(entry_dir: Path) -> str:
-    """`zoo/NAME` for an entry of the zoo, else the folder's own name: a card never holds a local absolute path."""
+    """`zoo/NAME` for an entry of the zoo, else the folder's own name: a card never holds a local absolute
+    path."""
     try:
         return f"zoo/{entry_dir.resolve().relative_to(zoo_root().resolve())}"
     except ValueError:
@@ -118,11 +129,16 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any]) -> str:
     files = {rel: f for rel, f in (manifest.get("files") or {}).items() if rel != CARD_NAME}  # the card's own
     size = sum(f["size"] for f in files.values())  # size would make it change each time it is recorded
     if manifest.get("planned"):
-        intro = (f"A planned ascq zoo entry for {_base_link(manifest.get('base_model'))}: the weights are not produced "
-                 f"yet; `{manifest['planned']['commands']['convert']}` produces them.\n")
+        intro = (
+            f"A planned ascq zoo entry for {_base_link(manifest.get('base_model'))}: the weights are not "
+            f"produced "
+            f"yet; `{manifest['planned']['commands']['convert']}` produces them.\n"
+        )
     elif not manifest.get("recipe"):
-        intro = ("A fixture model trained by ascq for its tests and examples. No quantization recipe was applied: "
-                 "these are the original bf16 weights.\n")
+        intro = (
+            "A fixture model trained by ascq for its tests and examples. No quantization recipe was applied: "
+            "these are the original bf16 weights.\n"
+        )
     else:
         intro = f"A `{scheme}` quantization of {_base_link(manifest.get('base_model'))} made with ascq.\n"
     calibration = manifest.get("calibration") or {}
@@ -130,9 +146,17 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any]) -> str:
         ("base model", _base_link(manifest.get("base_model") if manifest.get("recipe") else None)),
         ("scheme", f"`{scheme}`: {SCHEME_TEXT.get(scheme, scheme)}"),
         ("format", _format_text(manifest, config)),
-        ("recipe", ", ".join(f"`{n}`" for n in (manifest.get("recipe") or {}).get("names", [])) or "none (fixture)"),
-        ("calibration", f"{calibration.get('dataset', '?')}, {calibration.get('num_samples', '?')} samples"
-                        f" of {calibration.get('seq_len', '?')} tokens" if calibration else "none"),
+        (
+            "recipe",
+            ", ".join(f"`{n}`" for n in (manifest.get("recipe") or {}).get("names", [])) or "none (fixture)",
+        ),
+        (
+            "calibration",
+            f"{calibration.get('dataset', '?')}, {calibration.get('num_samples', '?')} samples"
+            f" of {calibration.get('seq_len', '?')} tokens"
+            if calibration
+            else "none",
+        ),
         ("size", f"{size / 2**20:.1f} MiB in {len(files)} files besides this card"),
     ]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
@@ -152,10 +176,16 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
         if str(w.get("zp_dtype", "")).removeprefix("torch.") in ("bfloat16", "float16", "float32"):
             text += f", {str(w['zp_dtype']).removeprefix('torch.')} zero points"
         if a:
-            text += f"; activations int{a.get('num_bits')} {'dynamic' if a.get('dynamic') else 'static'} {a.get('strategy')}"
+            text += (
+                f"; activations int{a.get('num_bits')} {'dynamic' if a.get('dynamic') else 'static'} "
+                f"{a.get('strategy')}"
+            )
         groups.append(text)
     ignore = ", ".join(f"`{i}`" for i in qc.get("ignore") or []) or "none"
-    fits = "".join(f"; {group_size_fit_text(fit)}" for fit in (manifest.get("conversion") or {}).get("group_size_fits", []))
+    fits = "".join(
+        f"; {group_size_fit_text(fit)}"
+        for fit in (manifest.get("conversion") or {}).get("group_size_fits", [])
+    )
     return f"compressed-tensors `{qc.get('format')}` ({'; '.join(groups)}); not quantized: {ignore}{fits}"
 
 
@@ -176,17 +206,30 @@ def _plan_section(planned: dict[str, Any]) -> str:
     rows = []
     for recipe, row in planned["recipes"].items():
         memory = " | ".join(f"{v['total_bytes'] / 2**30:.1f} GiB" for v in row["serve_memory"].values())
-        rows.append(f"| `{recipe}` | `{row['scheme']}` | {row['checkpoint_bytes'] / 2**30:.1f} GiB | {memory} |")
+        rows.append(
+            f"| `{recipe}` | `{row['scheme']}` | {row['checkpoint_bytes'] / 2**30:.1f} GiB | {memory} |"
+        )
     columns = " | ".join(k.replace("_", " ") for k in next(iter(planned["recipes"].values()))["serve_memory"])
-    return (f"## Plan\n\n{planned['num_parameters'] / 1e9:.2f} B parameters. Checkpoint size per recipe and memory to "
-            "serve it (weights with every expert resident + bf16 KV cache; activation workspace not included):\n\n"
-            f"| recipe | scheme | checkpoint | {columns} |\n|---|---|---:|" + "---:|" * len(row["serve_memory"]) + "\n"
-            + "\n".join(rows) + f"\n\nServe it with `{planned['commands']['serve']}`.\n")
+    return (
+        f"## Plan\n\n{planned['num_parameters'] / 1e9:.2f} B parameters. Checkpoint size per recipe and "
+        f"memory to "
+        "serve it (weights with every expert resident + bf16 KV cache; activation workspace not "
+        "included):\n\n"
+        f"| recipe | scheme | checkpoint | {columns} |\n|---|---|---:|"
+        + "---:|" * len(row["serve_memory"])
+        + "\n"
+        + "\n".join(rows)
+        + f"\n\nServe it with `{planned['commands']['serve']}`.\n"
+    )
 
 
 def _quality_section(manifest: dict[str, Any]) -> str:
     metrics = manifest.get("metrics") or {}
-    ppl, base_ppl, unigram = metrics.get("perplexity"), metrics.get("perplexity_base"), metrics.get("unigram_perplexity")
+    ppl, base_ppl, unigram = (
+        metrics.get("perplexity"),
+        metrics.get("perplexity_base"),
+        metrics.get("unigram_perplexity"),
+    )
     where = f" on `{metrics['eval_text']}`" if metrics.get("eval_text") else ""
     tokens = f" ({metrics['num_eval_tokens']} tokens)" if metrics.get("num_eval_tokens") else ""
     rows = []
@@ -199,9 +242,12 @@ def _quality_section(manifest: dict[str, Any]) -> str:
         rows.append(f"| unigram baseline | {unigram:.4f} | |")
     if not rows:
         return "## Quality\n\nNo quality metrics were recorded for this entry.\n"
-    return ("## Quality\n\n"
-            f"Held-out perplexity{where}{tokens}, lower is better; before = the base model, after = this checkpoint.\n\n"
-            "| model | perplexity | change vs base |\n|---|---:|---:|\n" + "\n".join(rows) + "\n")
+    return (
+        "## Quality\n\n"
+        f"Held-out perplexity{where}{tokens}, lower is better; before = the base model, after = this "
+        f"checkpoint.\n\n"
+        "| model | perplexity | change vs base |\n|---|---:|---:|\n" + "\n".join(rows) + "\n"
+    )
 
 
 def _serve_section(manifest: dict[str, Any], config: dict[str, Any], ref: str, from_hub: bool) -> str:

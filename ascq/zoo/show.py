@@ -18,7 +18,8 @@ def format_entry(entry_dir: Path) -> str:
     lines = [
         f"name         {manifest.get('name')}",
         f"path         {Path(entry_dir).resolve()}",
-        f"source       {source.get('model', '-')}" + (f" @ {source['revision']}" if source.get("revision") else ""),
+        f"source       {source.get('model', '-')}"
+        + (f" @ {source['revision']}" if source.get("revision") else ""),
         f"base model   {manifest.get('base_model') or '-'}",
         f"license      {manifest.get('license') or '-'}",
         f"format       {manifest.get('format')}   scheme {manifest.get('scheme') or '-'}",
@@ -37,11 +38,17 @@ def format_entry(entry_dir: Path) -> str:
 def _plan_lines(planned: dict[str, Any] | None) -> list[str]:
     if not planned:
         return []
-    lines = [f"weights      none yet; produce them with: {planned['commands']['convert']}",
-             f"serve with   {planned['commands']['serve']}",
-             f"parameters   {planned['num_parameters'] / 1e9:.2f} B; KV cache {planned['kv_cache_bytes_per_token']:,d} bytes/token",
-             "plan         recipe        scheme         checkpoint   serve memory (weights + bf16 KV cache)"]
+    lines = [
+        f"weights      none yet; produce them with: {planned['commands']['convert']}",
+        f"serve with   {planned['commands']['serve']}",
+        f"parameters   {planned['num_parameters'] / 1e9:.2f} B; KV cache "
+        f"{planned['kv_cache_bytes_per_token']:,d} bytes/token",
+        "plan         recipe        scheme         checkpoint   serve memory (weights + bf16 KV cache)",
+    ]
     for recipe, row in planned["recipes"].items():
         memory = ", ".join(f"{k}: {_human_size(v['total_bytes'])}" for k, v in row["serve_memory"].items())
-        lines.append(f"             {recipe:<13} {row['scheme']:<14} {_human_size(row['checkpoint_bytes']):>10}   {memory}")
+        lines.append(
+            f"             {recipe:<13} {row['scheme']:<14} {_human_size(row['checkpoint_bytes']):>10}   "
+            f"{memory}"
+        )
     return lines

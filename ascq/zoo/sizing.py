@@ -1,13 +1,14 @@
 """Per-rank memory of a Llama / DeepSeek-MoE model under tensor / expert / pipeline parallelism.
 
 Weights: every checkpoint tensor (`ascq.zoo.planned.checkpoint_tensors`) cut as the runtime cuts it
-(ascq/runtime/distributed/parallel.py): embedding and LM head split over the vocabulary; q/k/v, gate/up column-parallel
-(KV heads split, or one per rank when TP > KV heads); o/down row-parallel; routed experts either whole (expert
-parallel: E/TP per rank) or each one sharded like an MLP; the router and norms replicated. A quantized shard is
-counted as compressed-tensors stores it (`WeightScheme.linear_bytes`, the recipe's scheme), with the group size a
-row-parallel shard is re-expressed at when a group straddles two ranks (gcd of the group and the columns per rank:
-the scales are repeated). Embeddings, norms, lm_head and the router stay bf16 (the recipes' exclusions).
-KV: per token, K and V of this rank's KV heads in this stage's layers.
+(ascq/runtime/distributed/parallel.py): embedding and LM head split over the vocabulary; q/k/v, gate/up
+column-parallel (KV heads split, or one per rank when TP > KV heads); o/down row-parallel; routed experts
+either whole (expert parallel: E/TP per rank) or each one sharded like an MLP; the router and norms
+replicated. A quantized shard is counted as compressed-tensors stores it (`WeightScheme.linear_bytes`, the
+recipe's scheme), with the group size a row-parallel shard is re-expressed at when a group straddles two ranks
+(gcd of the group and the columns per rank: the scales are repeated). Embeddings, norms, lm_head and the
+router stay bf16 (the recipes' exclusions). KV: per token, K and V of this rank's KV heads in this stage's
+layers.
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
-def per_rank_memory(config: dict[str, Any], tp: int, pp: int = 1, recipe: str | None = None,
-                    expert_parallel: bool = False, kv_bytes: int = BF16_BYTES, pp_rank: int = 0,
-                    tp_rank: int = 0) -> dict[str, int]:
+def per_rank_memory(
+    config: dict[str, Any],
+    tp: int,
+    pp: int = 1,
+    recipe: str | None = None,
+    expert_parallel: bool = False,
+    kv_bytes: int = BF16_BYTES,
+    pp_rank: int = 0,
+    tp_rank: int = 0,
+) -> dict[str, int]:
     """{"weight_bytes", "kv_bytes_per_token"} of rank (pp_rank, tp_rank); `recipe`: a recipe name of
     ascq.zoo.planned.shipped_recipe_scheme, None for the bf16 original."""
     scheme = recipe_scheme(config, recipe)
@@ -65,7 +73,10 @@ def per_rank_memory(config: dict[str, Any], tp: int, pp: int = 1, recipe: str | 
             continue
         weights += _shard_bytes(name, shape, scheme, config, tp)
     kv_heads = _kv_heads(config, tp)
-    return {"weight_bytes": weights, "kv_bytes_per_token": 2 * len(layers) * kv_heads * head_dim_of(config) * kv_bytes}
+    return {
+        "weight_bytes": weights,
+        "kv_bytes_per_token": 2 * len(layers) * kv_heads * head_dim_of(config) * kv_bytes,
+    }
 
 
 def _kv_heads(config: dict[str, Any], tp: int) -> int:
@@ -81,8 +92,9 @@ def _tensor_bytes(name: str, shape: tuple[int, ...], scheme: WeightScheme | None
     return scheme.linear_bytes(*shape) if _quantized(name, shape, scheme) else math.prod(shape) * BF16_BYTES
 
 
-def _shard_bytes(name: str, shape: tuple[int, ...], scheme: WeightScheme | None, config: dict[str, Any],
-                 tp: int) -> int:
+def _shard_bytes(
+    name: str, shape: tuple[int, ...], scheme: WeightScheme | None, config: dict[str, Any], tp: int
+) -> int:
     module = name.rsplit(".", 2)[-2]
     if name.startswith(("model.embed_tokens.", "lm_head.")):
         return _tensor_bytes(name, (divide(shape[0], tp), shape[1]), scheme)

@@ -1,6 +1,6 @@
-"""`ascq zoo verify`: an entry's files match its manifest, its config and tokenizer load, and its tensor names are
-what its format says (compressed-tensors: each config group's compressor's parameter names; msModelSlim: the
-description JSON; hf: plain float weights). Every check raises AscqError naming the first mismatch.
+"""`ascq zoo verify`: an entry's files match its manifest, its config and tokenizer load, and its tensor names
+are what its format says (compressed-tensors: each config group's compressor's parameter names; msModelSlim:
+the description JSON; hf: plain float weights). Every check raises AscqError naming the first mismatch.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def _check_config(entry_dir: Path) -> dict[str, Any]:
 
             AutoConfig.from_pretrained(entry_dir, trust_remote_code=False)
     except Exception as exc:  # any failure to load is the entry's fault
-        raise AscqError(f"{entry_dir.name}: config.json does not load: {' '.join(str(exc).split())[:300]}") from None
+        raise AscqError(
+            f"{entry_dir.name}: config.json does not load: {' '.join(str(exc).split())[:300]}"
+        ) from None
     return config
 
 
@@ -64,7 +66,9 @@ def _check_tokenizer(entry_dir: Path) -> str:
         tokenizer = AutoTokenizer.from_pretrained(entry_dir, trust_remote_code=False)
         tokenizer("verify")
     except Exception as exc:
-        raise AscqError(f"{entry_dir.name}: tokenizer does not load: {' '.join(str(exc).split())[:300]}") from None
+        raise AscqError(
+            f"{entry_dir.name}: tokenizer does not load: {' '.join(str(exc).split())[:300]}"
+        ) from None
     return f"{type(tokenizer).__name__}, vocab {len(tokenizer)}"
 
 
@@ -74,7 +78,9 @@ def read_tensor_infos(entry_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]
     return {name: reader.tensor_info(name) for name in reader}
 
 
-def _modules(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
+def _modules(
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
     modules: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = defaultdict(dict)
     for name, info in tensors.items():
         module, _, param = name.rpartition(".")
@@ -84,10 +90,14 @@ def _modules(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, dict[
 
 def _linear_modules(modules: dict[str, dict[str, Any]]) -> list[str]:
     """Modules holding a 2-D (or packed) weight, except embeddings."""
-    return sorted(m for m, params in modules.items() if ct.is_linear_module(params) and not m.endswith("embed_tokens"))
+    return sorted(
+        m for m, params in modules.items() if ct.is_linear_module(params) and not m.endswith("embed_tokens")
+    )
 
 
-def _check_format(name: str, fmt: str, config: dict[str, Any], tensors: dict, reader: CheckpointReader) -> str:
+def _check_format(
+    name: str, fmt: str, config: dict[str, Any], tensors: dict, reader: CheckpointReader
+) -> str:
     if fmt == "compressed-tensors":
         return _check_compressed_tensors(name, config, tensors, reader)
     if fmt == "msmodelslim":
@@ -95,21 +105,29 @@ def _check_format(name: str, fmt: str, config: dict[str, Any], tensors: dict, re
     if fmt == "hf":
         for tensor, (dtype, _) in sorted(tensors.items()):
             if tensor.rpartition(".")[2] in ct.QUANTIZED_PARAMS or not dtype.startswith(("F", "BF")):
-                raise AscqError(f"{name}: tensor {tensor} ({dtype}) is quantized, but the manifest says format hf")
+                raise AscqError(
+                    f"{name}: tensor {tensor} ({dtype}) is quantized, but the manifest says format hf"
+                )
         return f"{len(tensors)} tensors are plain float weights (format hf)"
     raise AscqError(f"{name}: unknown format '{fmt}' in the manifest (hf, compressed-tensors, msmodelslim)")
 
 
-def _check_compressed_tensors(name: str, config: dict[str, Any], tensors: dict, reader: CheckpointReader) -> str:
+def _check_compressed_tensors(
+    name: str, config: dict[str, Any], tensors: dict, reader: CheckpointReader
+) -> str:
     from compressed_tensors.quantization import QuantizationConfig
 
     qc_dict = config.get("quantization_config") or {}
     if qc_dict.get("quant_method") != "compressed-tensors":
-        raise AscqError(f"{name}: config.json has no quantization_config with quant_method compressed-tensors")
+        raise AscqError(
+            f"{name}: config.json has no quantization_config with quant_method compressed-tensors"
+        )
     try:
         qc = QuantizationConfig.model_validate(qc_dict)
     except Exception as exc:  # pydantic's validation error
-        raise AscqError(f"{name}: quantization_config is invalid: {' '.join(str(exc).split())[:300]}") from None
+        raise AscqError(
+            f"{name}: quantization_config is invalid: {' '.join(str(exc).split())[:300]}"
+        ) from None
     modules = _modules(tensors)
     num_quantized = 0
     for module in _linear_modules(modules):
@@ -119,7 +137,9 @@ def _check_compressed_tensors(name: str, config: dict[str, Any], tensors: dict, 
         if scheme is None:
             if "weight" not in params or set(params) & set(ct.QUANTIZED_PARAMS):
                 why = "is in the ignore list" if ignored else "matches no config group"
-                raise AscqError(f"{name}: {module} {why} but is stored quantized ({', '.join(sorted(params))})")
+                raise AscqError(
+                    f"{name}: {module} {why} but is stored quantized ({', '.join(sorted(params))})"
+                )
             continue
         fmt = scheme.format or qc.format
         _check_linear(name, module, params, scheme, fmt, reader)
@@ -134,21 +154,30 @@ def _check_compressed_tensors(name: str, config: dict[str, Any], tensors: dict, 
     return f"tensor names match compressed-tensors ({num_quantized} quantized linears, format {qc.format})"
 
 
-def _check_linear(name: str, module: str, params: dict, scheme: Any, fmt: str, reader: CheckpointReader) -> None:
-    """The linear's tensors are the names (and, for the formats ascq writes, the dtypes and shapes) it stores."""
+def _check_linear(
+    name: str, module: str, params: dict, scheme: Any, fmt: str, reader: CheckpointReader
+) -> None:
+    """The linear's tensors are the names (and, for the formats ascq writes, the dtypes and shapes) it
+    stores."""
     required = ct.required_params(scheme, fmt)
     missing = sorted(required - set(params))
     if missing:
-        raise AscqError(f"{name}: {module} lacks {', '.join(missing)} required by format {fmt} (has {', '.join(sorted(params))})")
+        raise AscqError(
+            f"{name}: {module} lacks {', '.join(missing)} required by format {fmt} (has "
+            f"{', '.join(sorted(params))})"
+        )
     if fmt not in ct.SUPPORTED_FORMATS:
         return
     out_features, in_features = ct.stored_shape(params, lambda param: reader.get(f"{module}.{param}"))
-    expected = ct.linear_tensor_specs(scheme.weights, scheme.input_activations, out_features, in_features,
-                                      params["weight_scale"][0])
+    expected = ct.linear_tensor_specs(
+        scheme.weights, scheme.input_activations, out_features, in_features, params["weight_scale"][0]
+    )
     for param, (dtype, shape) in expected.items():
         if params.get(param, (dtype, shape)) != (dtype, shape):
-            raise AscqError(f"{name}: {module}.{param} is {params[param][0]} {list(params[param][1])}, "
-                            f"format {fmt} stores {dtype} {list(shape)}")
+            raise AscqError(
+                f"{name}: {module}.{param} is {params[param][0]} {list(params[param][1])}, "
+                f"format {fmt} stores {dtype} {list(shape)}"
+            )
 
 
 def _check_msmodelslim(name: str, tensors: dict, entry_dir: Path) -> str:

@@ -30,10 +30,21 @@ from .quant import (
 )
 
 __all__ = [
-    "ACL_FORMAT_FRACTAL_NZ", "ACL_FORMAT_ND", "EmulatedContractError", "_npu_reshape_and_cache", "get_npu_format",
-    "install", "npu_convert_weight_to_int4pack", "npu_dynamic_quant", "npu_format_cast",
-    "npu_fused_infer_attention_score", "npu_grouped_matmul", "npu_moe_gating_top_k_softmax", "npu_quant_matmul",
-    "npu_quantize", "npu_weight_quant_batchmatmul",
+    "ACL_FORMAT_FRACTAL_NZ",
+    "ACL_FORMAT_ND",
+    "EmulatedContractError",
+    "_npu_reshape_and_cache",
+    "get_npu_format",
+    "install",
+    "npu_convert_weight_to_int4pack",
+    "npu_dynamic_quant",
+    "npu_format_cast",
+    "npu_fused_infer_attention_score",
+    "npu_grouped_matmul",
+    "npu_moe_gating_top_k_softmax",
+    "npu_quant_matmul",
+    "npu_quantize",
+    "npu_weight_quant_batchmatmul",
 ]
 
 

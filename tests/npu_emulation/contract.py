@@ -29,12 +29,14 @@ def require_dtype(tensor: torch.Tensor, allowed: tuple[torch.dtype, ...], op: st
 
 
 def npu_format(tensor: torch.Tensor) -> int:
-    """The emulated storage format: FRACTAL_NZ is a tag set by npu_format_cast on the returned tensor object."""
+    """The emulated storage format: FRACTAL_NZ is a tag set by npu_format_cast on the returned tensor
+    object."""
     return getattr(tensor, "_emulated_npu_format", ACL_FORMAT_ND)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 words holding 8 signed int4 each (nibble i = element 8*j+i, the emulator's packing) -> int32 values."""
+    """int32 words holding 8 signed int4 each (nibble i = element 8*j+i, the emulator's packing) -> int32
+    values."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
     values = torch.where(nibbles >= 8, nibbles - 16, nibbles)
@@ -42,8 +44,11 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def decode_int64_scale(scale: torch.Tensor) -> torch.Tensor:
-    """An int64 quant scale as npu_trans_quant_param encodes it: the float32 bit pattern in the low 32 bits."""
-    require(bool(((scale >> 32) == 0).all()), "npu_quant_matmul", "int64 scale with offset bits is not emulated")
+    """An int64 quant scale as npu_trans_quant_param encodes it: the float32 bit pattern in the low 32
+    bits."""
+    require(
+        bool(((scale >> 32) == 0).all()), "npu_quant_matmul", "int64 scale with offset bits is not emulated"
+    )
     return (scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
 
 

@@ -1,24 +1,24 @@
-"""An EMULATED ACL graph API: the part of torch_npu's `torch.npu` that graph capture uses (`NPUGraph`, `graph`,
-`graph_pool_handle`, `synchronize`), on the CPU -- test code, not torch_npu. Tests install this module as
-`torch.npu`.
+"""An EMULATED ACL graph API: the part of torch_npu's `torch.npu` that graph capture uses (`NPUGraph`,
+`graph`, `graph_pool_handle`, `synchronize`), on the CPU -- test code, not torch_npu. Tests install this
+module as `torch.npu`.
 
 What it does. `graph(g)` runs the code inside under a TorchDispatchMode that records every aten op (function,
-arguments, result). A host read during the capture raises `EmulatedContractError`: `.item()`, `int()`, `float()`,
-`bool()` of a tensor (aten.item / _local_scalar_dense / is_nonzero), `aten.equal`, ops whose output size depends on
-the data (nonzero, bincount, masked_select, unique, repeat_interleave by a tensor without output_size),
-`.tolist()` / `.numpy()`, and `.cpu()` / `.to("cpu")` (every emulated tensor lives on the CPU, so a device move
-cannot be told from a host copy; neither belongs in a graph). After the capture, the floating-point results of
-the recorded ops are filled with NaN: hardware does not execute a capture, so they are undefined until a replay.
-`replay()` re-executes the recorded ops in order on the SAME tensor objects: a functional op's result is copied
-into the tensor recorded as its output, an in-place / out= op runs again on its recorded arguments, an op whose
-result aliases an input (a view) needs nothing. So a replay reads whatever the static input buffers hold now, the
-Python code of the captured region does not run again, and Python values computed during the capture stay baked
-in, as on hardware.
+arguments, result). A host read during the capture raises `EmulatedContractError`: `.item()`, `int()`,
+`float()`, `bool()` of a tensor (aten.item / _local_scalar_dense / is_nonzero), `aten.equal`, ops whose output
+size depends on the data (nonzero, bincount, masked_select, unique, repeat_interleave by a tensor without
+output_size), `.tolist()` / `.numpy()`, and `.cpu()` / `.to("cpu")` (every emulated tensor lives on the CPU,
+so a device move cannot be told from a host copy; neither belongs in a graph). After the capture, the
+floating-point results of the recorded ops are filled with NaN: hardware does not execute a capture, so they
+are undefined until a replay. `replay()` re-executes the recorded ops in order on the SAME tensor objects: a
+functional op's result is copied into the tensor recorded as its output, an in-place / out= op runs again on
+its recorded arguments, an op whose result aliases an input (a view) needs nothing. So a replay reads whatever
+the static input buffers hold now, the Python code of the captured region does not run again, and Python
+values computed during the capture stay baked in, as on hardware.
 
-What it does not show: that torch_npu's capture accepts the real ops (the emulated torch_npu ops are recorded as
-the aten ops of their plain-torch implementations, not as aclnn kernels); that in-place writes to tensors made
-before the capture are deferred to the replay (here they happen during the capture too); streams, memory pools
-(`pool` is accepted and ignored; every recorded tensor stays alive) and speed.
+What it does not show: that torch_npu's capture accepts the real ops (the emulated torch_npu ops are recorded
+as the aten ops of their plain-torch implementations, not as aclnn kernels); that in-place writes to tensors
+made before the capture are deferred to the replay (here they happen during the capture too); streams, memory
+pools (`pool` is accepted and ignored; every recorded tensor stays alive) and speed.
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ def host_read(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | N
     packet = func.overloadpacket
     if packet in HOST_READS:
         return HOST_READS[packet]
-    if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor) and kwargs.get("output_size") is None:
+    if (
+        func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)
+        and kwargs.get("output_size") is None
+    ):
         return "sizes its output from the repeats tensor (no output_size)"
     devices = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.device)]
     if packet in (aten.to, aten._to_copy) and any(d.type == "cpu" for d in devices):
@@ -83,8 +86,11 @@ class RecordedOp:
             self.func(*self.args, **self.kwargs)
         elif self.fresh:
             inputs = _storages((self.args, self.kwargs))
-            new = [t for t in pytree.tree_leaves(self.func(*self.args, **self.kwargs))
-                   if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+            new = [
+                t
+                for t in pytree.tree_leaves(self.func(*self.args, **self.kwargs))
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
+            ]
             for old, value in zip(self.fresh, new, strict=True):
                 old.copy_(value)
 
@@ -101,8 +107,11 @@ class _Recorder(TorchDispatchMode):
             raise EmulatedContractError(f"graph capture: {func} {reason}; a captured graph cannot do that")
         out = func(*args, **kwargs)
         inputs = _storages((args, kwargs))
-        fresh = [t for t in pytree.tree_leaves(out)
-                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+        fresh = [
+            t
+            for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
+        ]
         self.ops.append(RecordedOp(func, args, kwargs, out, [] if func._schema.is_mutable else fresh))
         return out
 
@@ -116,6 +125,7 @@ def _refuse_tensor_host_methods() -> Iterator[None]:
     def refusing(name: str):
         def refuse(self, *args, **kwargs):
             raise EmulatedContractError(f"graph capture: Tensor.{name}() reads the tensor on the host")
+
         return refuse
 
     for name in TENSOR_HOST_METHODS:
@@ -141,7 +151,9 @@ class NPUGraph:
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         if self.captured or _capturing:
-            raise EmulatedContractError("NPUGraph.capture_begin: already captured, or another capture is running")
+            raise EmulatedContractError(
+                "NPUGraph.capture_begin: already captured, or another capture is running"
+            )
         _capturing.append(self)
         refusal, recorder = _refuse_tensor_host_methods(), _Recorder(self.ops)
         refusal.__enter__()
@@ -171,8 +183,13 @@ class NPUGraph:
 
 
 @contextmanager
-def graph(npu_graph: NPUGraph, pool: Any = None, stream: Any = None, capture_error_mode: str = "global",
-          auto_dispatch_capture: bool = False) -> Iterator[NPUGraph]:
+def graph(
+    npu_graph: NPUGraph,
+    pool: Any = None,
+    stream: Any = None,
+    capture_error_mode: str = "global",
+    auto_dispatch_capture: bool = False,
+) -> Iterator[NPUGraph]:
     """torch.npu.graph: capture the code inside into `npu_graph` (stream and pool are not modelled)."""
     npu_graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
     try:

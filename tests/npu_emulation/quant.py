@@ -45,13 +45,20 @@ def _check_div_mode_false(x: torch.Tensor, scales: torch.Tensor, zero_points, ax
     quant_axis = x.dim() - 2 if axis == -2 else x.dim() - 1
     require(axis >= -2, op, f"axis {axis} must be >= -2")
     if scales.dim() == 1:
-        require(scales.shape[0] in (1, x.shape[quant_axis]), op,
-                f"1-D scales of size {scales.shape[0]} must be 1 or input dim {quant_axis} ({x.shape[quant_axis]})")
+        require(
+            scales.shape[0] in (1, x.shape[quant_axis]),
+            op,
+            f"1-D scales of size {scales.shape[0]} must be 1 or input dim {quant_axis} "
+            f"({x.shape[quant_axis]})",
+        )
     else:
         require(scales.dim() == x.dim(), op, "multi-dim scales need the input's number of dims")
     if zero_points is not None:
-        require(zero_points.shape == scales.shape and zero_points.dtype == scales.dtype, op,
-                "zero_points must have the shape and dtype of scales")
+        require(
+            zero_points.shape == scales.shape and zero_points.dtype == scales.dtype,
+            op,
+            "zero_points must have the shape and dtype of scales",
+        )
 
 
 def _check_div_mode_true(scales: torch.Tensor, zero_points) -> None:
@@ -67,9 +74,16 @@ def _broadcast(param: torch.Tensor, axis: int) -> torch.Tensor:
     return param.reshape(-1, 1) if param.dim() == 1 and axis == -2 else param
 
 
-def npu_quantize(input: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                 dtype, axis: int = 1, div_mode: bool = True) -> torch.Tensor:
-    """result = round(input / scales + zero_points) (div_mode) or round(input * scales + zero_points), to int8."""
+def npu_quantize(
+    input: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    dtype,
+    axis: int = 1,
+    div_mode: bool = True,
+) -> torch.Tensor:
+    """result = round(input / scales + zero_points) (div_mode) or round(input * scales + zero_points), to
+    int8."""
     require_dtype(input, FLOAT_INPUTS, "npu_quantize", "input")
     if dtype != torch.qint8:
         raise NotImplementedError(f"npu_quantize emulator: only dtype torch.qint8, got {dtype}")
@@ -85,7 +99,8 @@ def npu_quantize(input: torch.Tensor, scales: torch.Tensor, zero_points: torch.T
 
 
 def npu_dynamic_quant(x: torch.Tensor, *, smooth_scales=None, group_index=None, dst_type=None):
-    """Per-token symmetric int8: scale = rowMax(|x|) / 127 (float32, shape x.shape[:-1]), y = round(x / scale)."""
+    """Per-token symmetric int8: scale = rowMax(|x|) / 127 (float32, shape x.shape[:-1]), y = round(x /
+    scale)."""
     op = "npu_dynamic_quant"
     require_dtype(x, (torch.float16, torch.bfloat16), op, "x")
     require(x.dim() > 1, op, "x must have more than one dim")

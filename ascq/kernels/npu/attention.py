@@ -1,11 +1,13 @@
-"""Paged attention on Ascend: `_npu_reshape_and_cache` writes K/V, `npu_fused_infer_attention_score` reads them.
+"""Paged attention on Ascend: `_npu_reshape_and_cache` writes K/V, `npu_fused_infer_attention_score` reads
+them.
 
 One attention call serves a mixed batch (prefill chunks, prefix-cache hits, decodes) with input_layout "TND":
-query rows of all sequences back to back, `actual_seq_lengths` = cumulative query ends, `actual_seq_lengths_kv` =
-each sequence's context length, `block_table` over the cache viewed as (num_blocks, block_size, KV_N * D), and
-sparse_mode 3 (right-down causal: query row i of a q_len-row sequence sees context positions <= kv_len - q_len + i)
-with the op's fixed 2048 x 2048 upper-triangular mask. The op documents page attention with query rows > 1 for
-block sizes that are multiples of 128 up to 512, so the engine must run with `--block-size 128` on NPU.
+query rows of all sequences back to back, `actual_seq_lengths` = cumulative query ends,
+`actual_seq_lengths_kv` = each sequence's context length, `block_table` over the cache viewed as (num_blocks,
+block_size, KV_N * D), and sparse_mode 3 (right-down causal: query row i of a q_len-row sequence sees context
+positions <= kv_len - q_len + i) with the op's fixed 2048 x 2048 upper-triangular mask. The op documents page
+attention with query rows > 1 for block sizes that are multiples of 128 up to 512, so the engine must run with
+`--block-size 128` on NPU.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ _causal_masks: dict[torch.device, torch.Tensor] = {}
 def _check_cache(cache: torch.Tensor) -> None:
     if cache.dtype not in (torch.bfloat16, torch.float16):
         raise UnsupportedError(
-            f"--device npu stores the KV cache in bfloat16/float16, not {cache.dtype} (no fp8 KV cache on NPU)"
+            f"--device npu stores the KV cache in bfloat16/float16, not {cache.dtype} (no fp8 KV cache on "
+            f"NPU)"
         )
     block_size = cache.shape[1]
     if block_size % 128 or block_size > 512:
         raise UnsupportedError(
-            f"--device npu needs --block-size 128 (a multiple of 128 up to 512 for npu_fused_infer_attention_score "
+            f"--device npu needs --block-size 128 (a multiple of 128 up to 512 for "
+            f"npu_fused_infer_attention_score "
             f"page attention), got {block_size}"
         )
 
@@ -50,7 +54,8 @@ def write_kv_cache(
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
 ) -> None:
-    """Store token t's key/value [T, Hkv, D] at flat slot slot_mapping[t] (scales unused: float caches only)."""
+    """Store token t's key/value [T, Hkv, D] at flat slot slot_mapping[t] (scales unused: float caches
+    only)."""
     _check_cache(k_cache)
     torch_npu()._npu_reshape_and_cache(
         key=key.to(k_cache.dtype).contiguous(),
@@ -74,7 +79,8 @@ def paged_attention(
     max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query rows over its cached context; [T, H, D] in query.dtype
-    (`max_query_len`, a hint for the cpu backend, is unused: the fused kernel takes the lengths as they are)."""
+    (`max_query_len`, a hint for the cpu backend, is unused: the fused kernel takes the lengths as they
+    are)."""
     _check_cache(k_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     out, _ = torch_npu().npu_fused_infer_attention_score(

@@ -1,15 +1,14 @@
 """Quantized linear on Ascend through torch_npu, laid out as vllm-ascend does.
 
-| scheme        | at load (`prepare_linear`)                                  | per call (`linear`)                          |
-|---------------|-------------------------------------------------------------|----------------------------------------------|
-| dense         | weight [out, in] in the compute dtype                       | `F.linear`                                   |
-| w8a8_dynamic  | int8 weight (K, N), `npu_format_cast(.., 29)` (FRACTAL_NZ); | `npu_dynamic_quant` -> `npu_quant_matmul(    |
-|               | weight_scale fp32 (N,)                                      |  pertoken_scale=..., output_dtype=dtype)`    |
-| w8a8_static   | as above; deq_scale = input_scale * weight_scale fp32 (N,); | `npu_quantize(x, input_scale, input_offset)` |
-|               | quant_bias int32 = round(bias / deq_scale - offset * Σ_k W) | -> `npu_quant_matmul(bias=quant_bias)`        |
-| w8a16 / w4a16 | int8 weight (K, N) ND (NZ is graph-mode only for this op);  | `npu_weight_quant_batchmatmul(x, w, scale,   |
-|               | int4: `npu_convert_weight_to_int4pack` -> int32 (K, N // 8); |  offset, antiquant_group_size=...)`          |
-|               | antiquant_scale (groups, N), antiquant_offset = -zero_point |                                              |
+- dense: at load the weight [out, in] in the compute dtype; per call `F.linear`.
+- w8a8_dynamic: at load an int8 weight (K, N), `npu_format_cast(.., 29)` (FRACTAL_NZ), weight_scale fp32 (N,);
+  per call `npu_dynamic_quant` -> `npu_quant_matmul(pertoken_scale=..., output_dtype=dtype)`.
+- w8a8_static: at load as above, deq_scale = input_scale * weight_scale fp32 (N,), quant_bias int32 =
+  round(bias / deq_scale - offset * Σ_k W); per call `npu_quantize(x, input_scale, input_offset)` ->
+  `npu_quant_matmul(bias=quant_bias)`.
+- w8a16 / w4a16: at load an int8 weight (K, N) ND (NZ is graph-mode only for this op), int4 through
+  `npu_convert_weight_to_int4pack` -> int32 (K, N // 8), antiquant_scale (groups, N), antiquant_offset =
+  -zero_point; per call `npu_weight_quant_batchmatmul(x, w, scale, offset, antiquant_group_size=...)`.
 
 The op computes (w + antiquant_offset) * antiquant_scale, hence the negated zero point. W8A8 needs symmetric
 weights (the converters write them so); w4a8_dynamic has no documented int8 x int4 matmul in torch_npu.
@@ -79,7 +78,8 @@ def _prepare_weight_only(w: QuantLinearWeights, dtype: torch.dtype) -> NpuLinear
     group_size = w.group_size if w.group_size and w.group_size < in_features else 0
     if group_size and (group_size % 32 or group_size > in_features - 1):
         raise UnsupportedError(
-            f"npu_weight_quant_batchmatmul needs a group size that is a multiple of 32 in [32, {in_features - 1}], "
+            f"npu_weight_quant_batchmatmul needs a group size that is a multiple of 32 in [32, "
+            f"{in_features - 1}], "
             f"got {group_size}"
         )
     weight = to_device(_weight_kn(w))

@@ -1,12 +1,12 @@
-"""MoE on Ascend: `npu_moe_gating_top_k_softmax` routes, `npu_grouped_matmul` runs all experts in one call each
-for gate, up and down.
+"""MoE on Ascend: `npu_moe_gating_top_k_softmax` routes, `npu_grouped_matmul` runs all experts in one call
+each for gate, up and down.
 
 Token rows are sorted by expert (plain torch argsort), each projection is one grouped matmul over a single
 (E, K, N) weight with `group_list` = tokens per expert (group_list_type 1, group_type 0, split_item 3):
 - dense: float weights;
 - w8a8_dynamic: `npu_dynamic_quant` rows, int8 weights, `scale` (E, N) fp32 and `per_token_scale` (M,);
-- w8a8_static (symmetric inputs): rows quantized with `npu_quantize(axis=-2)` by their expert's input scale, then
-  the per-token path with per_token_scale = that input scale;
+- w8a8_static (symmetric inputs): rows quantized with `npu_quantize(axis=-2)` by their expert's input scale,
+  then the per-token path with per_token_scale = that input scale;
 - w8a16 / w4a16: pseudo-quantized, int8 or int4-packed weights with `antiquant_scale`/`antiquant_offset`
   (E, N) per channel or (E, G, N) per group (int4 only).
 Results are weighted by the router and summed back per token (index_add_).
@@ -96,8 +96,7 @@ def _prepare_weight_only(linears: list[QuantLinearWeights], weight_kn: torch.Ten
     offset = None
     if any(w.zero_point is not None for w in linears):
         zeros = [
-            w.zero_point if w.zero_point is not None else torch.zeros_like(w.weight_scale)
-            for w in linears
+            w.zero_point if w.zero_point is not None else torch.zeros_like(w.weight_scale) for w in linears
         ]
         offset = to_device(torch.stack([-layout(z) for z in zeros]), dtype)
     return GroupedWeights(first.scheme, dtype, weight, scale=scale, offset=offset)

@@ -1,7 +1,7 @@
 """torch_npu access and tensor placement for the NPU backend.
 
-torch_npu is imported on first use only, so `import ascq` and every command without `--device npu` work where it
-is absent (installed without the CANN toolkit it even breaks `import torch`). `set_device` redirects where
+torch_npu is imported on first use only, so `import ascq` and every command without `--device npu` work where
+it is absent (installed without the CANN toolkit it even breaks `import torch`). `set_device` redirects where
 prepared tensors live; the test suite uses it with a CPU emulator of the ops installed as `torch_npu`.
 """
 
@@ -36,7 +36,8 @@ def torch_npu() -> ModuleType:
 
 
 def set_device(device: str | torch.device) -> None:
-    """Place the backend's prepared tensors on `device` (default "npu"); forgets the cached torch_npu module."""
+    """Place the backend's prepared tensors on `device` (default "npu"); forgets the cached torch_npu
+    module."""
     global _device_name, _torch_npu
     _device_name, _torch_npu = str(device), None
 
@@ -53,6 +54,7 @@ def to_device(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
 def check_compute_dtype(dtype: torch.dtype) -> None:
     if dtype not in COMPUTE_DTYPES:
         raise UnsupportedError(
-            f"--device npu computes in bfloat16 or float16 (the quantized NPU kernels have no {dtype} output); "
+            f"--device npu computes in bfloat16 or float16 (the quantized NPU kernels have no {dtype} "
+            f"output); "
             "use --dtype bfloat16"
         )

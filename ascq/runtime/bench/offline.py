@@ -1,14 +1,15 @@
-"""`ascq bench latency|throughput` (offline, in-process, like `vllm bench latency|throughput`) and the result files
-all three bench commands share: `--save-result FILE.json` and `--compare FILE.json` against a stored baseline.
+"""`ascq bench latency|throughput` (offline, in-process, like `vllm bench latency|throughput`) and the result
+files all three bench commands share: `--save-result FILE.json` and `--compare FILE.json` against a stored
+baseline.
 
-throughput: N random token-id prompts (vLLM's "random" dataset, `bench_serve.random_prompts`) all arrive at t=0 and
-run through `LLMEngine.step` to completion; each request's first-token and per-token times give vLLM's serving
-metrics (TTFT, TPOT, ITL, E2EL with mean/p50/p90/p99, request/output/total token throughput, goodput).
+throughput: N random token-id prompts (vLLM's "random" dataset, `bench_serve.random_prompts`) all arrive at
+t=0 and run through `LLMEngine.step` to completion; each request's first-token and per-token times give vLLM's
+serving metrics (TTFT, TPOT, ITL, E2EL with mean/p50/p90/p99, request/output/total token throughput, goodput).
 latency: one batch of `batch_size` prompts generated to completion, `num_iters` times after warm-up; reports
 vLLM's avg/percentile batch latency plus the same per-request metrics of the last iteration.
 
-Compare: each metric present in both files is printed with its ratio (new / baseline); a metric regresses when it
-moves the bad way (latencies up, throughputs down) by more than `max_regression` percent.
+Compare: each metric present in both files is printed with its ratio (new / baseline); a metric regresses when
+it moves the bad way (latencies up, throughputs down) by more than `max_regression` percent.
 """
 
 from __future__ import annotations
@@ -54,8 +55,15 @@ class OfflineBenchOptions:
             raise AscqError("--num-iters-warmup must be >= 0")
 
     def engine_kwargs(self) -> dict[str, Any]:
-        names = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager",
-                 "performance_mode")
+        names = (
+            "dtype",
+            "device",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kv_cache_memory",
+            "enforce_eager",
+            "performance_mode",
+        )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
@@ -75,9 +83,15 @@ def machine_description() -> dict[str, Any]:
         load = os.getloadavg()[0]
     except OSError:
         load = -1.0
-    return {"cpu": cpu, "num_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "load_avg_1min": round(load, 2)}
+    return {
+        "cpu": cpu,
+        "num_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_avg_1min": round(load, 2),
+    }
 
 
 def _make_llm(options: OfflineBenchOptions):
@@ -121,12 +135,15 @@ def run_requests(engine: Any, prompts: list[list[int]], output_len: int) -> tupl
     return list(results.values()), time.perf_counter() - start
 
 
-def bench_throughput(options: OfflineBenchOptions, goodput: dict[str, float] | None = None) -> dict[str, float]:
+def bench_throughput(
+    options: OfflineBenchOptions, goodput: dict[str, float] | None = None
+) -> dict[str, float]:
     llm = _make_llm(options)
     rng = random.Random(options.seed)
     run_requests(llm.engine, random_prompts(1, options.input_len, rng), 4)  # warm-up
-    results, duration = run_requests(llm.engine, random_prompts(options.num_prompts, options.input_len, rng),
-                                     options.output_len)
+    results, duration = run_requests(
+        llm.engine, random_prompts(options.num_prompts, options.input_len, rng), options.output_len
+    )
     return summarize(results, duration, goodput)
 
 
@@ -148,7 +165,8 @@ def bench_latency(options: OfflineBenchOptions, goodput: dict[str, float] | None
     return metrics
 
 
-# ---- result files --------------------------------------------------------------------------------------------
+# ---- result files
+# --------------------------------------------------------------------------------------------
 
 
 def save_result(path: Path, kind: str, options: dict[str, Any], metrics: dict[str, float]) -> None:
@@ -176,7 +194,8 @@ def compared_metrics(metric: str) -> bool:
 
 
 def compare(metrics: dict[str, float], baseline: dict[str, float], max_regression: float) -> tuple[str, bool]:
-    """A report of every shared metric's ratio to the baseline, and whether any regressed past the threshold."""
+    """A report of every shared metric's ratio to the baseline, and whether any regressed past the
+    threshold."""
     lines = [f"{'metric':<28}{'baseline':>12}{'now':>12}{'ratio':>8}  verdict"]
     regressed = False
     for name in sorted(set(metrics) & set(baseline)):
@@ -215,8 +234,11 @@ def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
 def format_offline_report(kind: str, metrics: dict[str, float], options: OfflineBenchOptions) -> str:
     from ascq.runtime.bench.serve import format_metrics
 
-    header = (f"ascq bench {kind}: {options.model}, {options.num_prompts if kind == 'throughput' else options.batch_size}"
-              f" prompts x {options.input_len} in / {options.output_len} out, {torch.get_num_threads()} threads")
+    header = (
+        f"ascq bench {kind}: {options.model}, "
+        f"{options.num_prompts if kind == 'throughput' else options.batch_size}"
+        f" prompts x {options.input_len} in / {options.output_len} out, {torch.get_num_threads()} threads"
+    )
     lines = [header]
     if kind == "latency":
         lines += [f"{'Avg latency (ms):':<34}{metrics['avg_latency_ms']:>12.2f}"]

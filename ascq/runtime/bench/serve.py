@@ -1,9 +1,10 @@
 """`ascq bench serve`: drive a running OpenAI-compatible server like `vllm bench serve` and report latencies.
 
-Prompts are vLLM's "random" dataset: token-id prompts of a fixed length (ids drawn from [100, 4000), which avoids
-the special tokens at the ends of common vocabularies), and every request asks for exactly `output_len` tokens
-(`ignore_eos`). Requests stream with `include_usage`, so output tokens are the server's own count. Arrivals are
-Poisson at `request_rate` (inf = all at once), optionally capped at `max_concurrency` requests in flight.
+Prompts are vLLM's "random" dataset: token-id prompts of a fixed length (ids drawn from [100, 4000), which
+avoids the special tokens at the ends of common vocabularies), and every request asks for exactly `output_len`
+tokens (`ignore_eos`). Requests stream with `include_usage`, so output tokens are the server's own count.
+Arrivals are Poisson at `request_rate` (inf = all at once), optionally capped at `max_concurrency` requests in
+flight.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ class BenchServeOptions:
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
-        checks = [(self.num_prompts >= 1, "--num-prompts must be at least 1"),
-                  (self.request_rate > 0, "--request-rate must be positive (inf = all at once)"),
-                  (self.max_concurrency is None or self.max_concurrency >= 1, "--max-concurrency must be >= 1"),
-                  (self.input_len >= 1 and self.output_len >= 1, "--input-len and --output-len must be >= 1")]
+        checks = [
+            (self.num_prompts >= 1, "--num-prompts must be at least 1"),
+            (self.request_rate > 0, "--request-rate must be positive (inf = all at once)"),
+            (self.max_concurrency is None or self.max_concurrency >= 1, "--max-concurrency must be >= 1"),
+            (self.input_len >= 1 and self.output_len >= 1, "--input-len and --output-len must be >= 1"),
+        ]
         for ok, message in checks:
             if not ok:
                 raise AscqError(message)
@@ -67,8 +70,9 @@ async def _bench(options: BenchServeOptions, goodput: dict[str, float] | None = 
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     connector = aiohttp.TCPConnector(limit=options.max_concurrency or options.num_prompts)
     timeout = aiohttp.ClientTimeout(total=options.timeout_s)
-    async with aiohttp.ClientSession(options.base_url, headers=headers, connector=connector,
-                                     timeout=timeout) as session:
+    async with aiohttp.ClientSession(
+        options.base_url, headers=headers, connector=connector, timeout=timeout
+    ) as session:
         model = options.model or await _served_model(session, options.base_url)
         rng = random.Random(options.seed)
         prompts = random_prompts(options.num_prompts, options.input_len, rng)
@@ -104,12 +108,20 @@ async def _served_model(session: aiohttp.ClientSession, base_url: str) -> str:
         raise AscqError(f"cannot reach the server at {base_url}: {exc}") from exc
 
 
-async def _stream_request(session: aiohttp.ClientSession, model: str, prompt: list[int],
-                          output_len: int) -> RequestResult:
-    """One streamed completion (aiohttp, as vLLM's benchmark client: httpx's per-event cost took a sizeable share
-    of a core on the machine the server shares)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def _stream_request(
+    session: aiohttp.ClientSession, model: str, prompt: list[int], output_len: int
+) -> RequestResult:
+    """One streamed completion (aiohttp, as vLLM's benchmark client: httpx's per-event cost took a sizeable
+    share of a core on the machine the server shares)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = RequestResult(ok=False)
     start = last = time.perf_counter()
     try:
@@ -121,7 +133,7 @@ async def _stream_request(session: aiohttp.ClientSession, model: str, prompt: li
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
-                chunk = json.loads(line[len(b"data: "):])
+                chunk = json.loads(line[len(b"data: ") :])
                 if "error" in chunk:
                     result.error = chunk["error"]["message"]
                     return result
@@ -153,11 +165,20 @@ def summarize(
         errors = sorted({r.error for r in results})[:3]
         raise AscqError(f"all {len(results)} requests failed, e.g.: {'; '.join(errors)}")
     output_tokens = sum(r.output_tokens for r in done)
-    metrics = {"completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
-               "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
-               "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in done)) / duration}
-    per_request = {"ttft": [r.ttft for r in done], "tpot": [_tpot(r) for r in done if r.output_tokens > 1],
-                   "itl": [gap for r in done for gap in r.itls], "e2el": [r.latency for r in done]}
+    metrics = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in done)) / duration,
+    }
+    per_request = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [_tpot(r) for r in done if r.output_tokens > 1],
+        "itl": [gap for r in done for gap in r.itls],
+        "e2el": [r.latency for r in done],
+    }
     for name, values in per_request.items():
         values_ms = sorted(v * 1000 for v in values) or [0.0]
         metrics[f"mean_{name}_ms"] = statistics.fmean(values_ms)
@@ -189,25 +210,36 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
-    lines = [f"{'Successful requests:':<34}{metrics['completed']:>12.0f}",
-             f"{'Failed requests:':<34}{metrics['failed']:>12.0f}",
-             f"{'Benchmark duration (s):':<34}{metrics['duration_s']:>12.2f}",
-             f"{'Request throughput (req/s):':<34}{metrics['request_throughput']:>12.2f}",
-             f"{'Output token throughput (tok/s):':<34}{metrics['output_throughput']:>12.2f}",
-             f"{'Total token throughput (tok/s):':<34}{metrics['total_token_throughput']:>12.2f}"]
+    lines = [
+        f"{'Successful requests:':<34}{metrics['completed']:>12.0f}",
+        f"{'Failed requests:':<34}{metrics['failed']:>12.0f}",
+        f"{'Benchmark duration (s):':<34}{metrics['duration_s']:>12.2f}",
+        f"{'Request throughput (req/s):':<34}{metrics['request_throughput']:>12.2f}",
+        f"{'Output token throughput (tok/s):':<34}{metrics['output_throughput']:>12.2f}",
+        f"{'Total token throughput (tok/s):':<34}{metrics['total_token_throughput']:>12.2f}",
+    ]
     if "request_goodput" in metrics:
         lines.append(f"{'Request goodput (req/s):':<34}{metrics['request_goodput']:>12.2f}")
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for name, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         lines.append(f"---{title}".ljust(46, "-"))
         for stat in ("mean", *(f"p{q}" for q in PERCENTILES)):
-            lines.append(f"{f'{stat.capitalize()} {name.upper()} (ms):':<34}{metrics[f'{stat}_{name}_ms']:>12.2f}")
+            lines.append(
+                f"{f'{stat.capitalize()} {name.upper()} (ms):':<34}{metrics[f'{stat}_{name}_ms']:>12.2f}"
+            )
     return "\n".join(lines)
 
 
 def format_report(metrics: dict[str, float], options: BenchServeOptions) -> str:
-    header = (f"ascq bench serve: {options.num_prompts} prompts x {options.input_len} in / {options.output_len} out, "
-              f"request rate {options.request_rate}, max concurrency {options.max_concurrency or 'none'}")
+    header = (
+        f"ascq bench serve: {options.num_prompts} prompts x {options.input_len} in / {options.output_len} "
+        f"out, "
+        f"request rate {options.request_rate}, max concurrency {options.max_concurrency or 'none'}"
+    )
     return "\n".join([header, format_metrics(metrics)])
 
 

@@ -1,1 +1,2 @@
-"""Process groups and parallel state (tensor / pipeline / expert parallel), rendezvous and process watching."""
+"""Process groups and parallel state (tensor / pipeline / expert parallel), rendezvous and process
+watching."""

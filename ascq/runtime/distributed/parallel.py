@@ -1,10 +1,10 @@
 """Parallel layout of this process: tensor-parallel group, pipeline stage, expert parallelism.
 
 Ranks are laid out as vLLM's: global rank = pp_rank * tp_size + tp_rank, so a pipeline stage's TP group is
-consecutive ranks (one node, when it fits). Layers read `tp_world_size()` / `tp_rank()` while they are built and
-shard their weights at load time (q/k/v and gate/up by output, o/down by input, experts by rank under expert
-parallelism); `all_reduce` / `all_gather_last_dim` run on the TP group. Without `init_parallel` (one process)
-every size is 1 and every collective a no-op.
+consecutive ranks (one node, when it fits). Layers read `tp_world_size()` / `tp_rank()` while they are built
+and shard their weights at load time (q/k/v and gate/up by output, o/down by input, experts by rank under
+expert parallelism); `all_reduce` / `all_gather_last_dim` run on the TP group. Without `init_parallel` (one
+process) every size is 1 and every collective a no-op.
 """
 
 from __future__ import annotations
@@ -48,23 +48,27 @@ def state() -> ParallelState:
     return _state
 
 
-def init_parallel(rank: int, tp_size: int, pp_size: int, device: str, init_method: str,
-                  enable_expert_parallel: bool = False) -> ParallelState:
+def init_parallel(
+    rank: int, tp_size: int, pp_size: int, device: str, init_method: str, enable_expert_parallel: bool = False
+) -> ParallelState:
     """Join the process group (tcp:// or env:// rendezvous) and build the TP groups and the metadata group."""
     global _state
     platform = platform_for(device)
     platform.prepare_distributed()
     backend = platform.dist_backend
     world = tp_size * pp_size
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=INIT_TIMEOUT)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=INIT_TIMEOUT
+    )
     tp_group = None
     for stage in range(pp_size):  # every rank creates every group, in the same order
         group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
         if stage == rank // tp_size:
             tp_group = group
     cpu_group = dist.new_group(list(range(world)), backend="gloo") if backend != "gloo" else dist.group.WORLD
-    _state = ParallelState(tp_size, rank % tp_size, pp_size, rank // tp_size, enable_expert_parallel, tp_group,
-                           cpu_group)
+    _state = ParallelState(
+        tp_size, rank % tp_size, pp_size, rank // tp_size, enable_expert_parallel, tp_group, cpu_group
+    )
     return _state
 
 
@@ -101,15 +105,17 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def shard_tensor(tensor: torch.Tensor, param_name: str, tp_dim: int | None, full_in_features: int) -> torch.Tensor:
+def shard_tensor(
+    tensor: torch.Tensor, param_name: str, tp_dim: int | None, full_in_features: int
+) -> torch.Tensor:
     """This rank's part of one checkpoint tensor of a linear (weight, scale, zero point, bias).
 
-    tp_dim 0 (column parallel): rows split. tp_dim 1 (row parallel): columns split; bias kept on rank 0 only (it is
-    added once, after the all-reduce); per-channel scales and zero points kept whole; group scales split along
-    the groups, re-expressed at a finer group size when a group straddles two ranks (gcd of the group size and
-    the columns per rank: the same numbers, repeated; a shorter last group, as compressed-tensors stores in_features that
-are not a multiple of the group size, is cut there; its group size is taken as the power of two the shapes imply).
-Activation qparams (static input scale / zero) are
+    tp_dim 0 (column parallel): rows split. tp_dim 1 (row parallel): columns split; bias kept on rank 0 only
+    (it is added once, after the all-reduce); per-channel scales and zero points kept whole; group scales
+    split along the groups, re-expressed at a finer group size when a group straddles two ranks (gcd of the
+    group size and the columns per rank: the same numbers, repeated; a shorter last group, as
+    compressed-tensors stores in_features that are not a multiple of the group size, is cut there; its group
+    size is taken as the power of two the shapes imply). Activation qparams (static input scale / zero) are
     replicated.
     """
     world, rank = _state.tp_size, _state.tp_rank

@@ -1,4 +1,5 @@
-"""How this process joins the ranks: spawned by rank 0 / `--node-rank` (tcp://), or started by torchrun (env://)."""
+"""How this process joins the ranks: spawned by rank 0 / `--node-rank` (tcp://), or started by torchrun
+(env://)."""
 
 from __future__ import annotations
 

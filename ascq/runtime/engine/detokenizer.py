@@ -21,16 +21,17 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """The text this token completes (empty while a multi-byte character is still incomplete)."""
         self.token_ids.append(token_id)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            return full_text[len(prefix_text):]
+            return full_text[len(prefix_text) :]
         return ""
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[int, str] | None:
-    """(index, stop string) of the earliest stop string ending in the last `num_new_chars` characters, if any."""
+    """(index, stop string) of the earliest stop string ending in the last `num_new_chars` characters, if
+    any."""
     found = []
     for s in stop:
         index = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
@@ -39,11 +40,12 @@ def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[in
     return min(found) if found else None
 
 
-def stop_token_reason(token_id: int, num_output_tokens: int, params: Any,
-                      eos_token_ids: set[int]) -> tuple[bool, int | None]:
-    """Whether generation stops on this token, and its stop_reason: EOS (unless ignore_eos; reason None) or one
-    of stop_token_ids (reason: the id), once min_tokens are out. The engine and the serving process's output
-    processor both apply this rule, so they agree on which token ended a sequence."""
+def stop_token_reason(
+    token_id: int, num_output_tokens: int, params: Any, eos_token_ids: set[int]
+) -> tuple[bool, int | None]:
+    """Whether generation stops on this token, and its stop_reason: EOS (unless ignore_eos; reason None) or
+    one of stop_token_ids (reason: the id), once min_tokens are out. The engine and the serving process's
+    output processor both apply this rule, so they agree on which token ended a sequence."""
     if num_output_tokens < params.min_tokens:
         return False, None
     if token_id in eos_token_ids and not params.ignore_eos:
@@ -54,8 +56,8 @@ def stop_token_reason(token_id: int, num_output_tokens: int, params: Any,
 
 
 class OutputText:
-    """One sequence's output text: incremental detokenisation, stop strings, and the partial stop string held back
-    while the sequence is still running."""
+    """One sequence's output text: incremental detokenisation, stop strings, and the partial stop string held
+    back while the sequence is still running."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: Any) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
@@ -64,8 +66,8 @@ class OutputText:
 
     def add_token(self, token_id: int, num_output_tokens: int, stop_token: bool) -> str | None:
         """Adds the text of output token number `num_output_tokens`; returns the stop string it completed (the
-        text then ends before it, or after it with include_stop_str_in_output). `stop_token`: generation stopped
-        on this token (stop_token_reason), whose text is dropped unless include_stop_str_in_output."""
+        text then ends before it, or after it with include_stop_str_in_output). `stop_token`: generation
+        stopped on this token (stop_token_reason), whose text is dropped unless include_stop_str_in_output."""
         delta = self.detokenizer.add_token(token_id)
         self.text += delta
         params = self.params

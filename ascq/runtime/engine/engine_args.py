@@ -12,14 +12,20 @@ from ascq.core.errors import AscqError, UnsupportedError
 from ascq.platforms import platform_for
 
 DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
 }
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-# The scheduler knobs' defaults, and the --performance-mode presets over them: a preset sets only the knobs the
-# user left unset (None); an explicit value always wins. Latency keeps batches small and prefill chunks short so a
-# long prompt never stalls the running decodes for long; throughput batches as much as the cache allows.
+# The scheduler knobs' defaults, and the --performance-mode presets over them: a preset sets only the knobs
+# the user left unset (None); an explicit value always wins. Latency keeps batches small and prefill chunks
+# short so a long prompt never stalls the running decodes for long; throughput batches as much as the cache
+# allows.
 SCHEDULER_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
 PERFORMANCE_MODES = {
     "latency": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
@@ -53,7 +59,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     swap_space: float = 0
     cpu_offload_gb: float = 0
-    # distributed (vLLM's names): ranks = tensor x pipeline; nodes share them equally (see runtime/distributed)
+    # distributed (vLLM's names): ranks = tensor x pipeline; nodes share them equally (see
+    # runtime/distributed)
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
     nnodes: int = 1
@@ -66,7 +73,9 @@ class EngineArgs:
 
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is not None and self.world_size > 1:
-            raise UnsupportedError("speculative_config runs on one rank only (tensor/pipeline parallel size 1)")
+            raise UnsupportedError(
+                "speculative_config runs on one rank only (tensor/pipeline parallel size 1)"
+            )
         self._check_parallel()
         self.model = Path(self.model)
         self._apply_performance_mode()
@@ -77,8 +86,11 @@ class EngineArgs:
             raise UnsupportedError(f"unknown dtype {self.dtype!r}; supported: auto, {', '.join(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise UnsupportedError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, fp8")
-        positive = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
-                    "block_size": self.block_size}
+        positive = {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "block_size": self.block_size,
+        }
         for name, value in positive.items():
             if value < 1:
                 raise AscqError(f"{name} must be positive, got {value}")
@@ -94,41 +106,55 @@ class EngineArgs:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise AscqError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.trust_remote_code:
-            raise UnsupportedError("trust_remote_code=True is not supported: ascq runs only its own model code")
+            raise UnsupportedError(
+                "trust_remote_code=True is not supported: ascq runs only its own model code"
+            )
         if self.swap_space:
-            raise UnsupportedError("swap_space (CPU swap of preempted KV blocks) is not supported; preempted requests "
-                                   "are recomputed (use swap_space=0)")
+            raise UnsupportedError(
+                "swap_space (CPU swap of preempted KV blocks) is not supported; preempted requests "
+                "are recomputed (use swap_space=0)"
+            )
         if self.cpu_offload_gb:
-            raise UnsupportedError("cpu_offload_gb (weight offloading) is not supported (use cpu_offload_gb=0)")
+            raise UnsupportedError(
+                "cpu_offload_gb (weight offloading) is not supported (use cpu_offload_gb=0)"
+            )
 
     def check_quantization(self, config: dict[str, Any]) -> None:
-        """`quantization` is what the user expects the checkpoint to be: a mismatch is an error, never a cast."""
+        """`quantization` is what the user expects the checkpoint to be: a mismatch is an error, never a
+        cast."""
         if self.quantization is None:
             return
         raw = config.get("quantization_config") or config.get("compression_config")
         method = (raw or {}).get("quant_method")
         if method is None:
-            raise AscqError(f"quantization={self.quantization!r} but {self.model} is not quantized (ascq quantizes "
-                            "offline: ascq convert); drop quantization to serve it unquantized")
+            raise AscqError(
+                f"quantization={self.quantization!r} but {self.model} is not quantized (ascq quantizes "
+                "offline: ascq convert); drop quantization to serve it unquantized"
+            )
         if self.quantization.replace("_", "-") != method:
-            raise AscqError(f"quantization={self.quantization!r} but {self.model} is quantized with {method!r}")
+            raise AscqError(
+                f"quantization={self.quantization!r} but {self.model} is quantized with {method!r}"
+            )
 
     def check_parallel_layout(self, config: dict[str, Any]) -> None:
-        """The model's attention heads must split over the tensor-parallel ranks (vLLM's rule), before any rank
-        starts; KV heads are split, or replicated when TP is a multiple of them."""
+        """The model's attention heads must split over the tensor-parallel ranks (vLLM's rule), before any
+        rank starts; KV heads are split, or replicated when TP is a multiple of them."""
         from ascq.core.architecture import kv_heads_per_rank
 
         tp, heads = self.tensor_parallel_size, config["num_attention_heads"]
         if tp > 1 and heads % tp:
             divisors = [d for d in range(2, heads + 1) if heads % d == 0]
-            raise AscqError(f"{self.model} has {heads} attention heads, which do not split over tensor_parallel_size "
-                            f"{tp}; sizes that do: {', '.join(map(str, divisors)) or 'none (use 1)'}")
+            raise AscqError(
+                f"{self.model} has {heads} attention heads, which do not split over tensor_parallel_size "
+                f"{tp}; sizes that do: {', '.join(map(str, divisors)) or 'none (use 1)'}"
+            )
         kv_heads_per_rank(config.get("num_key_value_heads") or heads, tp)
 
     def _apply_performance_mode(self) -> None:
         if self.performance_mode is not None and self.performance_mode not in PERFORMANCE_MODES:
             raise UnsupportedError(
-                f"unknown performance mode {self.performance_mode!r}; supported: {', '.join(PERFORMANCE_MODES)}"
+                f"unknown performance mode {self.performance_mode!r}; supported: "
+                f"{', '.join(PERFORMANCE_MODES)}"
             )
         preset = PERFORMANCE_MODES[self.performance_mode] if self.performance_mode else {}
         for name, default in SCHEDULER_DEFAULTS.items():
@@ -136,14 +162,19 @@ class EngineArgs:
                 setattr(self, name, preset.get(name, default))
 
     def _check_parallel(self) -> None:
-        sizes = {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
-                 "nnodes": self.nnodes}
+        sizes = {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "nnodes": self.nnodes,
+        }
         for name, value in sizes.items():
             if value < 1:
                 raise AscqError(f"{name} must be positive, got {value}")
         if self.world_size % self.nnodes:
-            raise AscqError(f"{self.world_size} ranks (tensor x pipeline parallel) cannot be split evenly over "
-                            f"{self.nnodes} nodes")
+            raise AscqError(
+                f"{self.world_size} ranks (tensor x pipeline parallel) cannot be split evenly over "
+                f"{self.nnodes} nodes"
+            )
         if not 0 <= self.node_rank < self.nnodes:
             raise AscqError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and self.master_port is None:
@@ -151,8 +182,10 @@ class EngineArgs:
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise AscqError(f"master_port must be in [1, 65535], got {self.master_port}")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
-            raise AscqError("enable_expert_parallel splits experts over the tensor-parallel ranks: "
-                            "set tensor_parallel_size > 1")
+            raise AscqError(
+                "enable_expert_parallel splits experts over the tensor-parallel ranks: "
+                "set tensor_parallel_size > 1"
+            )
 
     @property
     def world_size(self) -> int:
@@ -166,10 +199,13 @@ class EngineArgs:
         return torch_device(self.device)
 
     def resolve_dtype(self, config: dict[str, Any]) -> torch.dtype:
-        """Compute dtype: explicit, else fp32 on the CPU (fastest GEMMs there) and the checkpoint's dtype elsewhere."""
+        """Compute dtype: explicit, else fp32 on the CPU (fastest GEMMs there) and the checkpoint's dtype
+        elsewhere."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        checkpoint = DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
+        checkpoint = DTYPES.get(
+            str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16
+        )
         return platform_for(self.device).default_dtype(checkpoint, is_weight_only_quantized(config))
 
     def resolve_max_model_len(self, config: dict[str, Any]) -> int:
@@ -177,7 +213,9 @@ class EngineArgs:
         if self.max_model_len is None:
             return limit
         if self.max_model_len > limit:
-            raise AscqError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+            raise AscqError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}"
+            )
         return self.max_model_len
 
     def available_memory(self) -> int:
@@ -185,16 +223,18 @@ class EngineArgs:
         return platform_for(self.torch_device).free_memory(self.torch_device)  # where the tensors live
 
     def resolve_kv_cache_memory(self, free_before_load: int | None = None, weight_bytes: int = 0) -> int:
-        """KV bytes: kv_cache_memory; else gpu_memory_utilization x free memory (before load) minus the weights;
-        else a default share of what is free now."""
+        """KV bytes: kv_cache_memory; else gpu_memory_utilization x free memory (before load) minus the
+        weights; else a default share of what is free now."""
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
         if self.gpu_memory_utilization is not None and free_before_load is not None:
             budget = int(self.gpu_memory_utilization * free_before_load) - weight_bytes
             if budget <= 0:
                 raise AscqError(
-                    f"gpu_memory_utilization {self.gpu_memory_utilization} of {free_before_load / 2**30:.2f} GiB free "
-                    f"leaves no room for the KV cache after {weight_bytes / 2**30:.2f} GiB of weights")
+                    f"gpu_memory_utilization {self.gpu_memory_utilization} of "
+                    f"{free_before_load / 2**30:.2f} GiB free "
+                    f"leaves no room for the KV cache after {weight_bytes / 2**30:.2f} GiB of weights"
+                )
             return budget
         return platform_for(self.torch_device).default_kv_cache_bytes(self.torch_device)
 

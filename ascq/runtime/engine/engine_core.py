@@ -1,7 +1,7 @@
 """The engine core in its own process (vLLM v1's EngineCoreProc): scheduler, model executor and sampler.
 
-The serving process talks to it over one duplex `multiprocessing` pipe of pickled tuples (measured against ZeroMQ
-in benchmarks/ipc.py; the README "Distributed" section has the numbers):
+The serving process talks to it over one duplex `multiprocessing` pipe of pickled tuples (measured against
+ZeroMQ in benchmarks/ipc.py; the README "Distributed" section has the numbers):
 
     to the core:   ("add", request_id, prompt_token_ids, params) | ("abort", request_id)
                    | ("finish", request_id, index, stop_string) | ("shutdown",)
@@ -9,10 +9,10 @@ in benchmarks/ipc.py; the README "Distributed" section has the numbers):
                    | ("outputs", [OutputDelta], stats) | ("step_error", message)
 
 Outputs cross as token-id deltas (the tokens since the last step), so a message's size does not grow with the
-output length. The core does not detokenise: the serving process's `OutputProcessor` (output_processor.py) turns
-the deltas into vLLM's cumulative `RequestOutput` with text, checks stop strings, and sends "finish" for a sequence
-a stop string ended. The core exits when
-the serving process dies (it watches its parent), so it is never left behind.
+output length. The core does not detokenise: the serving process's `OutputProcessor` (output_processor.py)
+turns the deltas into vLLM's cumulative `RequestOutput` with text, checks stop strings, and sends "finish" for
+a sequence a stop string ended. The core exits when the serving process dies (it watches its parent), so it is
+never left behind.
 """
 
 from __future__ import annotations
@@ -47,23 +47,33 @@ class OutputDelta:
     finished: bool
     num_cached_tokens: int
     completions: list[CompletionDelta]
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # sent once, with the first delta that has them
+    prompt_logprobs: list[dict[int, float] | None] | None = (
+        None  # sent once, with the first delta that has them
+    )
 
 
 class DeltaEncoder:
     """Core side: cumulative `RequestOutput`s -> the tokens not sent yet."""
 
     def __init__(self) -> None:
-        self.sent: dict[str, dict[int, int]] = {}  # request id -> index -> number of tokens sent (-1: prompt logprobs)
+        self.sent: dict[
+            str, dict[int, int]
+        ] = {}  # request id -> index -> number of tokens sent (-1: prompt logprobs)
 
     def encode(self, output: RequestOutput) -> OutputDelta:
         sent = self.sent.setdefault(output.request_id, {})
         completions = []
         for o in output.outputs:
             num_tokens = sent.get(o.index, 0)
-            completions.append(CompletionDelta(
-                o.index, o.token_ids[num_tokens:], None if o.logprobs is None else o.logprobs[num_tokens:],
-                o.finish_reason, o.stop_reason))
+            completions.append(
+                CompletionDelta(
+                    o.index,
+                    o.token_ids[num_tokens:],
+                    None if o.logprobs is None else o.logprobs[num_tokens:],
+                    o.finish_reason,
+                    o.stop_reason,
+                )
+            )
             sent[o.index] = len(o.token_ids)
         prompt_logprobs = None
         if output.prompt_logprobs is not None and -1 not in sent:
@@ -71,21 +81,29 @@ class DeltaEncoder:
             sent[-1] = 0
         if output.finished:
             del self.sent[output.request_id]
-        return OutputDelta(output.request_id, output.finished, output.num_cached_tokens, completions, prompt_logprobs)
+        return OutputDelta(
+            output.request_id, output.finished, output.num_cached_tokens, completions, prompt_logprobs
+        )
 
 
 # ---- the core process ------------------------------------------------------------------------------------
 
 
-def run_engine_core(engine_args: Any, conn: Connection, parent_pid: int,
-                    describe: Callable[[Any], dict[str, Any]] | None = None) -> None:
+def run_engine_core(
+    engine_args: Any,
+    conn: Connection,
+    parent_pid: int,
+    describe: Callable[[Any], dict[str, Any]] | None = None,
+) -> None:
     """Process entry point: build the engine, report ready with `describe(engine)` (or the one-line reason it
     could not: `describe` may raise AscqError too), serve."""
     from ascq.core.errors import AscqError
     from ascq.runtime.distributed.process_watch import exit_with_parent
 
     exit_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server drains, then stops us
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C reaches the whole group; the server drains, then stops us
     from ascq.runtime.engine.llm_engine import LLMEngine
 
     engine = None
@@ -97,8 +115,17 @@ def run_engine_core(engine_args: Any, conn: Connection, parent_pid: int,
         if engine is not None:
             engine.shutdown()
         raise SystemExit(1) from None
-    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-                         "eos_token_ids": sorted(engine.eos_token_ids), **info}))
+    conn.send(
+        (
+            "ready",
+            {
+                "max_model_len": engine.max_model_len,
+                "vocab_size": engine.vocab_size,
+                "eos_token_ids": sorted(engine.eos_token_ids),
+                **info,
+            },
+        )
+    )
     try:
         EngineCore(engine, conn).run()
     finally:
@@ -162,25 +189,36 @@ class EngineCore:
 
 
 class EngineCoreProcess:
-    """Serving-process handle: starts the core (spawn), waits until it is ready, sends and receives messages."""
+    """Serving-process handle: starts the core (spawn), waits until it is ready, sends and receives
+    messages."""
 
-    def __init__(self, engine_args: Any, describe: Callable[[Any], dict[str, Any]] | None = None,
-                 startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        engine_args: Any,
+        describe: Callable[[Any], dict[str, Any]] | None = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
         import os
 
         from ascq.core.errors import AscqError
 
         context = multiprocessing.get_context("spawn")
         self.conn, child_conn = context.Pipe(duplex=True)
-        self.process = context.Process(target=run_engine_core, args=(engine_args, child_conn, os.getpid(), describe),
-                                       name="ascq-engine-core", daemon=False)
+        self.process = context.Process(
+            target=run_engine_core,
+            args=(engine_args, child_conn, os.getpid(), describe),
+            name="ascq-engine-core",
+            daemon=False,
+        )
         self.process.start()
         child_conn.close()
         deadline = time.monotonic() + startup_timeout_s
         while not self.conn.poll(0.2):
             if not self.process.is_alive() or time.monotonic() > deadline:
                 self.kill()
-                raise AscqError(f"the engine process exited while loading the model (exit code {self.process.exitcode})")
+                raise AscqError(
+                    f"the engine process exited while loading the model (exit code {self.process.exitcode})"
+                )
         try:
             message = self.conn.recv()
         except EOFError:

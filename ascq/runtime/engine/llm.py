@@ -1,4 +1,5 @@
-"""`LLM`: the synchronous offline API (vLLM's `LLM.generate` / `LLM.chat`), taking vLLM's prompts and kwargs."""
+"""`LLM`: the synchronous offline API (vLLM's `LLM.generate` / `LLM.chat`), taking vLLM's prompts and
+kwargs."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from ascq.runtime.engine.llm_engine import LLMEngine
 from ascq.runtime.engine.outputs import RequestOutput
 from ascq.runtime.sampling.sampling_params import SamplingParams
 
-# vLLM's prompt shapes: a string, a token id list, TextPrompt {"prompt": str}, TokensPrompt {"prompt_token_ids": [...]}
+# vLLM's prompt shapes: a string, a token id list, TextPrompt {"prompt": str}, TokensPrompt
+# {"prompt_token_ids": [...]}
 PromptType = str | list[int] | dict[str, Any]
 PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
 
 def engine_args_from_kwargs(model: str, kwargs: dict[str, Any]) -> EngineArgs:
-    """EngineArgs from LLM(...) kwargs; an unknown name is a one-line TypeError naming the closest valid one."""
+    """EngineArgs from LLM(...) kwargs; an unknown name is a one-line TypeError naming the closest valid
+    one."""
     valid = [f.name for f in fields(EngineArgs)]
     for name in kwargs:
         if name not in valid:
@@ -34,21 +37,28 @@ def parse_prompt(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, dict):
         unknown = set(prompt) - PROMPT_KEYS
         if unknown:
-            raise ValueError(f"prompt dict keys {sorted(unknown)} are not supported; supported: prompt, prompt_token_ids")
+            raise ValueError(
+                f"prompt dict keys {sorted(unknown)} are not supported; supported: prompt, prompt_token_ids"
+            )
         if "prompt_token_ids" in prompt:
             return parse_prompt(list(prompt["prompt_token_ids"]))
         if "prompt" in prompt:
             return parse_prompt(prompt["prompt"])
         raise ValueError("a prompt dict needs 'prompt' (TextPrompt) or 'prompt_token_ids' (TokensPrompt)")
-    if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list | tuple) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
         return list(prompt)
-    raise ValueError(f"unsupported prompt type {type(prompt).__name__}: give a str, a list of token ids, or a "
-                     "TextPrompt / TokensPrompt dict")
+    raise ValueError(
+        f"unsupported prompt type {type(prompt).__name__}: give a str, a list of token ids, or a "
+        "TextPrompt / TokensPrompt dict"
+    )
 
 
 def as_prompt_list(prompts: PromptType | list[PromptType]) -> list[str | list[int]]:
-    if isinstance(prompts, str | dict) or (isinstance(prompts, list | tuple) and prompts
-                                            and isinstance(prompts[0], int)):
+    if isinstance(prompts, str | dict) or (
+        isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)
+    ):
         prompts = [prompts]
     return [parse_prompt(p) for p in prompts]
 
@@ -56,8 +66,9 @@ def as_prompt_list(prompts: PromptType | list[PromptType]) -> list[str | list[in
 class LLM:
     def __init__(self, model: str, tokenizer: Any = None, **engine_args: Any) -> None:
         """`tokenizer`: a path (like vLLM) or a tokenizer object (the custom-tokenizer plug-in point).
-        `engine_args`: EngineArgs fields, which use vLLM's names (tensor_parallel_size, gpu_memory_utilization,
-        enforce_eager, quantization, trust_remote_code, max_model_len, seed, dtype, kv_cache_dtype, ...)."""
+        `engine_args`: EngineArgs fields, which use vLLM's names (tensor_parallel_size,
+        gpu_memory_utilization, enforce_eager, quantization, trust_remote_code, max_model_len, seed, dtype,
+        kv_cache_dtype, ...)."""
         tokenizer_obj = None
         if tokenizer is not None and not isinstance(tokenizer, str):
             tokenizer_obj = tokenizer
@@ -88,7 +99,11 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order. `use_tqdm` is accepted for vLLM
         compatibility; a progress bar is drawn only when it is true."""
         prompt_list = as_prompt_list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompt_list)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompt_list)
+        )
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(params)} sampling params")
         ids = []

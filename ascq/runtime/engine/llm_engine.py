@@ -1,4 +1,5 @@
-"""LLMEngine: requests in, one scheduler step at a time, cumulative outputs out (vLLM's offline engine API)."""
+"""LLMEngine: requests in, one scheduler step at a time, cumulative outputs out (vLLM's offline engine
+API)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,16 @@ def eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
 class LLMEngine:
     """Single-threaded; drive it from one thread. See docs/ARCHITECTURE.md "Engine API"."""
 
-    def __init__(self, args: EngineArgs, tokenizer: Any = None, sampler: Callable | None = None,
-                 detokenize: bool = True) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        tokenizer: Any = None,
+        sampler: Callable | None = None,
+        detokenize: bool = True,
+    ) -> None:
         """`detokenize=False`: outputs carry token ids only and stop strings are not checked (the engine-core
-        process: the serving process detokenises and finishes stop-string sequences with `finish_sequence`)."""
+        process: the serving process detokenises and finishes stop-string sequences with
+        `finish_sequence`)."""
         self.args = args
         self.detokenize = detokenize
         config = read_config(args.model)
@@ -62,12 +69,15 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.sampler = sampler or Sampler(args.seed, self.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}  # id(sequence) -> per prompt token
+        self.prompt_logprobs: dict[
+            int, list[dict[int, float] | None]
+        ] = {}  # id(sequence) -> per prompt token
         self.speculator: Speculator | None = None
         if args.speculative_config is not None:
             if sampler is not None:
-                raise AscqError("a custom sampler cannot be combined with speculative_config (it cannot verify "
-                                "drafts)")
+                raise AscqError(
+                    "a custom sampler cannot be combined with speculative_config (it cannot verify drafts)"
+                )
             self.speculator = Speculator(args.speculative_config, self, self.sampler)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.texts: dict[int, OutputText] = {}  # id(sequence) -> its output text (when detokenizing)
@@ -76,7 +86,9 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -86,7 +98,9 @@ class LLMEngine:
         if params.bad_words:
             params.update_from_tokenizer(self.tokenizer)
         if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)  # ValueError for a bad schema, before admission
+            self.structured.compile(
+                params.structured_outputs
+            )  # ValueError for a bad schema, before admission
         sequences = []
         for index in range(params.n):
             generator = None
@@ -118,7 +132,8 @@ class LLMEngine:
             )
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
             raise ValueError(
-                f"prompt length {len(token_ids)} + max_tokens {params.max_tokens} needs more KV cache than the "
+                f"prompt length {len(token_ids)} + max_tokens {params.max_tokens} needs more KV cache than "
+                f"the "
                 f"{self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens available"
             )
 
@@ -144,15 +159,20 @@ class LLMEngine:
             return outputs
         logits, sampling = self.runner.execute(scheduled)
         if self.prompt_logprobs:
-            record_prompt_logprobs(scheduled, self.prompt_logprobs, self.runner.hidden_states,
-                                   self.model.compute_logits)
+            record_prompt_logprobs(
+                scheduled, self.prompt_logprobs, self.runner.hidden_states, self.model.compute_logits
+            )
         self.scheduler.update_after_step(scheduled)
         advanced: dict[str, None] = {}
         if self.speculator is None:
             results = [[r] for r in self._sample(logits, sampling)] if sampling else []
         else:
-            spec_of = {id(r): spec for r, spec in zip(scheduled.requests, scheduled.spec_token_ids, strict=True)}
-            results = self.speculator.verify(logits, sampling, [spec_of[id(r)] for r in sampling], self._sample)
+            spec_of = {
+                id(r): spec for r, spec in zip(scheduled.requests, scheduled.spec_token_ids, strict=True)
+            }
+            results = self.speculator.verify(
+                logits, sampling, [spec_of[id(r)] for r in sampling], self._sample
+            )
         for request, tokens in zip(sampling, results, strict=True):
             for result in tokens:
                 if not request.is_finished:
@@ -181,9 +201,13 @@ class LLMEngine:
             request.cumulative_logprob += logprobs[token_id]
         params = request.params
         grammar_done = self.structured.accept(id(request), token_id)
-        on_token, token_reason = stop_token_reason(token_id, request.num_output_tokens, params, self.eos_token_ids)
+        on_token, token_reason = stop_token_reason(
+            token_id, request.num_output_tokens, params, self.eos_token_ids
+        )
         text = self.texts.get(id(request))
-        stop_string = text.add_token(token_id, request.num_output_tokens, on_token) if text is not None else None
+        stop_string = (
+            text.add_token(token_id, request.num_output_tokens, on_token) if text is not None else None
+        )
         if on_token:
             self._finish(request, "stop", token_reason)
         elif stop_string is not None:
@@ -215,16 +239,25 @@ class LLMEngine:
         completions = []
         for s in sequences:
             text = self.texts[id(s)].visible(s.is_finished) if self.detokenize else ""
-            completions.append(CompletionOutput(
-                index=s.index, text=text, token_ids=s.output_token_ids,
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-            ))
+            completions.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=text,
+                    token_ids=s.output_token_ids,
+                    cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+            )
         return RequestOutput(
-            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=completions, finished=all(s.is_finished for s in sequences),
-            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=self.prompt_logprobs.get(id(first)),
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=all(s.is_finished for s in sequences),
+            num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs.get(id(first)),
         )
 
     def _forget(self, request_id: str) -> None:

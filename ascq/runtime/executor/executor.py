@@ -2,13 +2,13 @@
 
 One process per rank (`spawn`), joined in one torch.distributed process group (gloo on CPU, nccl on CUDA, hccl
 on Ascend through torch_npu) by tcp:// rendezvous at `master_addr:master_port`, or env:// under torchrun.
-Every step rank 0 broadcasts the step's inputs (token ids, positions, slot mapping, block tables, which rows to
-sample, the micro-batch split) as one pickled object over a gloo group (`broadcast_object_list`; on CPU this is
-the only metadata path that needs no shared memory across nodes), then every rank runs the model. Rank 0
-broadcasts None to stop the workers. Workers watch their parent and exit when it dies (process_watch.py).
+Every step rank 0 broadcasts the step's inputs (token ids, positions, slot mapping, block tables, which rows
+to sample, the micro-batch split) as one pickled object over a gloo group (`broadcast_object_list`; on CPU
+this is the only metadata path that needs no shared memory across nodes), then every rank runs the model. Rank
+0 broadcasts None to stop the workers. Workers watch their parent and exit when it dies (process_watch.py).
 
-Initialisation is the same sequence of collectives on every rank (`init_rank`): join, load the shard, agree on the
-largest per-rank KV block size, take rank 0's block count, allocate the cache.
+Initialisation is the same sequence of collectives on every rank (`init_rank`): join, load the shard, agree on
+the largest per-rank KV block size, take rank 0's block count, allocate the cache.
 """
 
 from __future__ import annotations
@@ -50,8 +50,13 @@ class StepInputs:
     micro_batches: list[tuple[int, int]]  # request ranges, pipeline parallel only
 
     def to(self, device: torch.device) -> StepInputs:
-        return StepInputs(self.input_ids.to(device), self.positions.to(device), self.meta.to(device), self.sample_rows,
-                          self.micro_batches)
+        return StepInputs(
+            self.input_ids.to(device),
+            self.positions.to(device),
+            self.meta.to(device),
+            self.sample_rows,
+            self.micro_batches,
+        )
 
 
 @dataclass
@@ -87,15 +92,23 @@ class RankModel:
     num_blocks: int
 
 
-def init_rank(args: Any, config: dict[str, Any], dtype: torch.dtype, info: RankInfo,
-              num_blocks_for_bytes: Any = None) -> RankModel:
+def init_rank(
+    args: Any, config: dict[str, Any], dtype: torch.dtype, info: RankInfo, num_blocks_for_bytes: Any = None
+) -> RankModel:
     """Join the group, load this rank's shard, size and allocate the KV cache (collective on every rank).
 
-    `num_blocks_for_bytes(block_bytes, model) -> num_blocks` is rank 0's sizing; other ranks take its answer."""
+    `num_blocks_for_bytes(block_bytes, model) -> num_blocks` is rank 0's sizing; other ranks take its
+    answer."""
     set_cpu_threads(args)
     device = rank_device(args.device, info.local_rank)
-    ps = init_parallel(info.rank, args.tensor_parallel_size, args.pipeline_parallel_size, args.device,
-                       info.init_method, args.enable_expert_parallel)
+    ps = init_parallel(
+        info.rank,
+        args.tensor_parallel_size,
+        args.pipeline_parallel_size,
+        args.device,
+        info.init_method,
+        args.enable_expert_parallel,
+    )
     prepare = (lambda model: prune_for_stage(model, ps)) if ps.pp_size > 1 else None
     model, quant = load_model(args.model, device, dtype, config, prepare=prepare)
     cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
@@ -112,21 +125,34 @@ def init_rank(args: Any, config: dict[str, Any], dtype: torch.dtype, info: RankI
 
 
 @torch.inference_mode()
-def run_step(model: torch.nn.Module, ps: ParallelState, step: StepInputs, config: dict[str, Any],
-             dtype: torch.dtype) -> torch.Tensor | None:
+def run_step(
+    model: torch.nn.Module, ps: ParallelState, step: StepInputs, config: dict[str, Any], dtype: torch.dtype
+) -> torch.Tensor | None:
     if ps.pp_size == 1:
         hidden = model(step.input_ids, step.positions, step.meta)
         if not step.sample_rows:
             return None
         return model.compute_logits(hidden[torch.tensor(step.sample_rows, device=hidden.device)])
-    return run_pipeline(model, ps, step.input_ids, step.positions, step.meta, step.sample_rows, step.micro_batches,
-                        config["hidden_size"], config["vocab_size"], dtype)
+    return run_pipeline(
+        model,
+        ps,
+        step.input_ids,
+        step.positions,
+        step.meta,
+        step.sample_rows,
+        step.micro_batches,
+        config["hidden_size"],
+        config["vocab_size"],
+        dtype,
+    )
 
 
 # ---- worker process --------------------------------------------------------------------------------------
 
 
-def run_worker(args: Any, config: dict[str, Any], dtype: torch.dtype, info: RankInfo, parent_pid: int | None) -> None:
+def run_worker(
+    args: Any, config: dict[str, Any], dtype: torch.dtype, info: RankInfo, parent_pid: int | None
+) -> None:
     """Process entry point of ranks 1..N-1: initialise, then run every step rank 0 broadcasts until None."""
     import signal
 
@@ -147,7 +173,8 @@ def run_worker(args: Any, config: dict[str, Any], dtype: torch.dtype, info: Rank
     else:
         code = 0
     destroy_parallel()
-    # interpreter teardown with gloo's threads alive can take seconds; nothing is left to flush but the streams
+    # interpreter teardown with gloo's threads alive can take seconds; nothing is left to flush but the
+    # streams
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -165,23 +192,34 @@ def run_node(args: Any) -> None:
         run_worker(args, config, dtype, info, parent_pid=None)
     local_world = args.world_size // args.nnodes
     init_method = f"tcp://{args.master_addr}:{args.master_port}"
-    processes = spawn_workers(args, config, dtype, init_method,
-                              range(args.node_rank * local_world, (args.node_rank + 1) * local_world), local_world)
+    processes = spawn_workers(
+        args,
+        config,
+        dtype,
+        init_method,
+        range(args.node_rank * local_world, (args.node_rank + 1) * local_world),
+        local_world,
+    )
     codes = [join_or_kill(p, None) for p in processes]
     if any(codes):
         raise AscqError(f"node {args.node_rank}: worker exit codes {codes}")
 
 
-def spawn_workers(args: Any, config: dict[str, Any], dtype: torch.dtype, init_method: str, ranks: range,
-                  local_world: int) -> list:
+def spawn_workers(
+    args: Any, config: dict[str, Any], dtype: torch.dtype, init_method: str, ranks: range, local_world: int
+) -> list:
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     processes = []
     for rank in ranks:
         info = RankInfo(rank, rank % local_world, init_method)
-        process = context.Process(target=run_worker, args=(args, config, dtype, info, os.getpid()),
-                                  name=f"ascq-rank-{rank}", daemon=True)
+        process = context.Process(
+            target=run_worker,
+            args=(args, config, dtype, info, os.getpid()),
+            name=f"ascq-rank-{rank}",
+            daemon=True,
+        )
         process.start()
         processes.append(process)
     return processes
@@ -201,14 +239,18 @@ def join_or_kill(process: Any, timeout_s: float | None) -> int:
 class MultiprocExecutor:
     """Rank 0's side: starts this node's workers, loads rank 0's shard, runs steps on every rank."""
 
-    def __init__(self, args: Any, config: dict[str, Any], dtype: torch.dtype, num_blocks_for_bytes: Any) -> None:
+    def __init__(
+        self, args: Any, config: dict[str, Any], dtype: torch.dtype, num_blocks_for_bytes: Any
+    ) -> None:
         if args.node_rank != 0:
             raise AscqError("only node 0 runs the engine; other nodes run `ascq serve ... --node-rank R`")
         self.config = config
         self.dtype = dtype
         self.processes: list = []
         self.num_threads = torch.get_num_threads()  # restored at shutdown: rank 0 may be the user's process
-        if torchrun_rank() is not None:  # torchrun started every rank; this is rank 0, the others run `run_worker` themselves
+        if (
+            torchrun_rank() is not None
+        ):  # torchrun started every rank; this is rank 0, the others run `run_worker` themselves
             if int(os.environ["WORLD_SIZE"]) != args.world_size or int(os.environ["RANK"]) != 0:
                 raise AscqError(f"under torchrun the engine runs on RANK 0 with WORLD_SIZE {args.world_size}")
             init_method, local_world = "env://", int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
@@ -216,16 +258,22 @@ class MultiprocExecutor:
             port = args.master_port or free_port()
             init_method = f"tcp://{args.master_addr}:{port}"
             local_world = args.world_size // args.nnodes
-            self.processes = spawn_workers(args, config, dtype, init_method, range(1, local_world), local_world)
+            self.processes = spawn_workers(
+                args, config, dtype, init_method, range(1, local_world), local_world
+            )
         try:
             self.rank = init_rank(args, config, dtype, RankInfo(0, 0, init_method), num_blocks_for_bytes)
         except BaseException:
             self.shutdown()
             raise
         self.model, self.state, self.device = self.rank.model, self.rank.state, self.rank.device
-        logger.info("ranks: tensor parallel %d x pipeline parallel %d%s over %d node(s)", args.tensor_parallel_size,
-                    args.pipeline_parallel_size, " (expert parallel)" if args.enable_expert_parallel else "",
-                    args.nnodes)
+        logger.info(
+            "ranks: tensor parallel %d x pipeline parallel %d%s over %d node(s)",
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            " (expert parallel)" if args.enable_expert_parallel else "",
+            args.nnodes,
+        )
 
     def broadcast(self, step: StepInputs | None) -> None:
         dist.broadcast_object_list([step], src=0, group=self.state.cpu_group)
@@ -261,7 +309,8 @@ class DistributedModelRunner(ModelRunner):
         self.executor.check_workers()
         input_ids, positions, meta, last_rows = self.prepare(out)
         sampling = [
-            (row, request) for row, request, num_new in zip(last_rows, out.requests, out.num_scheduled_tokens, strict=True)
+            (row, request)
+            for row, request, num_new in zip(last_rows, out.requests, out.num_scheduled_tokens, strict=True)
             if request.num_computed_tokens + num_new == request.num_tokens
         ]
         ps = self.executor.state

@@ -1,10 +1,10 @@
 """Pipeline parallelism: decoder layers split into stages, micro-batches streamed through them.
 
-Stage s holds layers `stage_layers(...)`; stage 0 also the embedding, the last stage the final norm and LM head
-(and, with tied embeddings, the embedding matrix it reuses). A step's requests are cut into micro-batches; each
-stage runs micro-batch m, sends its hidden states and residual to the next stage with a non-blocking send and
-goes on with m + 1 while the next stage works on m, so with M micro-batches the stages overlap. The last stage's
-TP rank 0 sends each micro-batch's logits to global rank 0, which samples.
+Stage s holds layers `stage_layers(...)`; stage 0 also the embedding, the last stage the final norm and LM
+head (and, with tied embeddings, the embedding matrix it reuses). A step's requests are cut into
+micro-batches; each stage runs micro-batch m, sends its hidden states and residual to the next stage with a
+non-blocking send and goes on with m + 1 while the next stage works on m, so with M micro-batches the stages
+overlap. The last stage's TP rank 0 sends each micro-batch's logits to global rank 0, which samples.
 """
 
 from __future__ import annotations
@@ -65,14 +65,26 @@ def micro_batch(meta: AttentionMetadata, start: int, end: int) -> tuple[int, int
     qsl = meta.query_start_loc
     t0, t1 = int(qsl[start]), int(qsl[end])
     sub = AttentionMetadata(
-        slot_mapping=meta.slot_mapping[t0:t1], block_tables=meta.block_tables[start:end],
-        query_start_loc=qsl[start:end + 1] - qsl[start], seq_lens=meta.seq_lens[start:end])
+        slot_mapping=meta.slot_mapping[t0:t1],
+        block_tables=meta.block_tables[start:end],
+        query_start_loc=qsl[start : end + 1] - qsl[start],
+        seq_lens=meta.seq_lens[start:end],
+    )
     return t0, t1, sub
 
 
-def run_pipeline(model: nn.Module, ps: ParallelState, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata, sample_rows: list[int], micro_batches: list[tuple[int, int]],
-                 hidden_size: int, vocab_size: int, dtype: torch.dtype) -> torch.Tensor | None:
+def run_pipeline(
+    model: nn.Module,
+    ps: ParallelState,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    sample_rows: list[int],
+    micro_batches: list[tuple[int, int]],
+    hidden_size: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
     """This stage's part of one step; on global rank 0 returns the fp32 logits of `sample_rows`."""
     first, last = ps.pp_rank == 0, ps.pp_rank == ps.pp_size - 1
     prev_rank, next_rank = ps.rank - ps.tp_size, ps.rank + ps.tp_size

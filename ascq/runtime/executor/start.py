@@ -1,6 +1,6 @@
 """Load the model where the engine runs it: in this process (one rank), or across ranks in their own processes
-(this one is rank 0, `executor.MultiprocExecutor`); either way the KV cache is sized and allocated and a runner
-with `execute(scheduler_output)` is returned (vLLM's uniproc / multiproc executors)."""
+(this one is rank 0, `executor.MultiprocExecutor`); either way the KV cache is sized and allocated and a
+runner with `execute(scheduler_output)` is returned (vLLM's uniproc / multiproc executors)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def module_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def start_model(args: Any, config: dict[str, Any], dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> StartedModel:
+def start_model(
+    args: Any, config: dict[str, Any], dtype: torch.dtype, kv_cache_dtype: torch.dtype
+) -> StartedModel:
     if args.world_size > 1:
         return _start_ranks(args, config, dtype)
     free_before_load = args.available_memory()
@@ -40,8 +42,13 @@ def start_model(args: Any, config: dict[str, Any], dtype: torch.dtype, kv_cache_
     memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model))
     num_blocks = num_blocks_for(memory, block_bytes, args.num_gpu_blocks_override)
     allocate_kv_cache(model, num_blocks, args.block_size, kv_cache_dtype, args.torch_device)
-    runner = ModelRunner(model, args.block_size, args.torch_device, enforce_eager=args.enforce_eager,
-                         max_num_seqs=args.max_num_seqs)
+    runner = ModelRunner(
+        model,
+        args.block_size,
+        args.torch_device,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+    )
     return StartedModel(model, quant_config, runner, block_bytes, num_blocks)
 
 
@@ -61,7 +68,13 @@ def _start_ranks(args: Any, config: dict[str, Any], dtype: torch.dtype) -> Start
     executor = MultiprocExecutor(args, config, dtype, num_blocks)
     rank = executor.rank
     if not args.enforce_eager:
-        logging.getLogger("ascq.runtime").info("enforce_eager=False: decode graphs are single-process only; "
-                                               "the ranks run eagerly")
-    return StartedModel(rank.model, rank.quant_config, DistributedModelRunner(executor, args.block_size),
-                        rank.block_bytes, rank.num_blocks)
+        logging.getLogger("ascq.runtime").info(
+            "enforce_eager=False: decode graphs are single-process only; the ranks run eagerly"
+        )
+    return StartedModel(
+        rank.model,
+        rank.quant_config,
+        DistributedModelRunner(executor, args.block_size),
+        rank.block_bytes,
+        rank.num_blocks,
+    )

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: write this step's keys/values, then attend through the kernel backend."""
+"""Attention over the paged KV cache: write this step's keys/values, then attend through the kernel
+backend."""
 
 from __future__ import annotations
 
@@ -19,11 +20,15 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     seq_lens: torch.Tensor  # [S] int32
     max_query_len: int | None = None  # 1: a pure decode step (no host reads of the layout); None: unknown
-    use_decode_graph: bool = False  # run the decoder layers' compiled decode graphs (runtime/decode_graphs.py)
+    use_decode_graph: bool = (
+        False  # run the decoder layers' compiled decode graphs (runtime/decode_graphs.py)
+    )
 
     def to(self, device: torch.device) -> AttentionMetadata:
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return AttentionMetadata(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+        return AttentionMetadata(
+            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+        )
 
 
 class Attention(nn.Module):
@@ -45,11 +50,23 @@ class Attention(nn.Module):
     def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
         self.backend = backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
-        self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        self.backend.write_kv_cache(
+            k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale
+        )
         out = self.backend.paged_attention(
-            q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            self.scale, self.k_scale, self.v_scale, max_query_len=meta.max_query_len,
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
+            max_query_len=meta.max_query_len,
         )
         return out.reshape(out.shape[0], -1)

@@ -34,15 +34,14 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
-
 class ParallelLMHead(VocabParallelEmbedding):
     int8: native.PackedWeights | None = None  # opt-in int8 copy
 
     def quantize_int8(self) -> None:
-        """Opt-in, and it changes the logits: keep an int8 per-row symmetric copy of the head (half the bytes per
-        token of bf16; a tied head of a small model is a large share of its decode step's memory traffic) and run
-        it through the native 8-bit kernel for batches below `cpu.NATIVE_MAX_M`. The bf16 weight stays (the
-        embedding, large batches)."""
+        """Opt-in, and it changes the logits: keep an int8 per-row symmetric copy of the head (half the bytes
+        per token of bf16; a tied head of a small model is a large share of its decode step's memory traffic)
+        and run it through the native 8-bit kernel for batches below `cpu.NATIVE_MAX_M`. The bf16 weight stays
+        (the embedding, large batches)."""
         w = self.weight.float()
         scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         q = torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous()

@@ -1,10 +1,11 @@
 """Linear layers that load checkpoint shards per parameter and run through the kernel backend.
 
-As in vLLM / nano-vllm: `ColumnParallelLinear` splits the output dim across ranks (q/k/v, gate/up — merged into
-one matmul), `RowParallelLinear` splits the input dim and all-reduces. Checkpoint tensors arrive one at a time via
-`weight_loader(param_name, tensor, shard_id, scheme)` (param_name: weight, weight_scale, zero_point,
-input_scale, input_zero_point, bias), are narrowed to this rank's shard and kept until `finalize`, which builds
-the kernels' `QuantLinearWeights`, merges the shards along the output dim and calls `backend.prepare_linear`.
+As in vLLM / nano-vllm: `ColumnParallelLinear` splits the output dim across ranks (q/k/v, gate/up — merged
+into one matmul), `RowParallelLinear` splits the input dim and all-reduces. Checkpoint tensors arrive one at a
+time via `weight_loader(param_name, tensor, shard_id, scheme)` (param_name: weight, weight_scale, zero_point,
+input_scale, input_zero_point, bias), are narrowed to this rank's shard and kept until `finalize`, which
+builds the kernels' `QuantLinearWeights`, merges the shards along the output dim and calls
+`backend.prepare_linear`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def build_quant_weights(params: dict[str, torch.Tensor], scheme: str) -> QuantLi
         scheme=scheme,
         weight=weight.to(torch.int8),
         weight_scale=scale,
-        zero_point=None if zero is None else zero.reshape(scale.shape).to(zero.dtype if zero.is_floating_point() else torch.int8),
+        zero_point=None
+        if zero is None
+        else zero.reshape(scale.shape).to(zero.dtype if zero.is_floating_point() else torch.int8),
         group_size=weight.shape[1] // num_groups if num_groups > 1 else None,
         input_scale=params.get("input_scale"),
         input_zero_point=params.get("input_zero_point"),
@@ -60,7 +63,9 @@ class LinearBase(nn.Module):
         self.prepared = None
         self.backend: ModuleType | None = None
 
-    def weight_loader(self, param_name: str, tensor: torch.Tensor, shard_id: str | int = 0, scheme: str = "dense") -> None:
+    def weight_loader(
+        self, param_name: str, tensor: torch.Tensor, shard_id: str | int = 0, scheme: str = "dense"
+    ) -> None:
         if shard_id not in self.pending:
             raise AscqError(f"unexpected shard {shard_id!r} for a linear with shards {list(self.pending)}")
         self.pending[shard_id][param_name] = self.shard_tensor(param_name, tensor)
@@ -107,7 +112,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q_proj, k_proj and v_proj as one matmul; shards "q", "k", "v". With more ranks than KV heads each rank
     holds the one KV head its query heads use (replicated across tp_size / num_kv_heads ranks)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
         world = tp_world_size()
         kv_size = kv_heads_per_rank(num_kv_heads, world) * head_dim
         sizes = {"q": divide(num_heads * head_dim, world), "k": kv_size, "v": kv_size}
@@ -115,7 +122,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         self.kv_replicas = max(1, world // num_kv_heads)
 
-    def weight_loader(self, param_name: str, tensor: torch.Tensor, shard_id: str | int = 0, scheme: str = "dense") -> None:
+    def weight_loader(
+        self, param_name: str, tensor: torch.Tensor, shard_id: str | int = 0, scheme: str = "dense"
+    ) -> None:
         if shard_id in ("k", "v") and self.kv_replicas > 1 and param_name not in ACTIVATION_PARAMS:
             start = tp_rank() // self.kv_replicas * self.head_dim
             self.pending[shard_id][param_name] = tensor.narrow(0, start, self.head_dim)
@@ -142,8 +151,12 @@ class RowParallelLinear(LinearBase):
     def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
         params = self.pending.get(0, {})
         scale = params.get("weight_scale")
-        if (self.tp_size > 1 and self.schemes.get(0) in DYNAMIC_ACTIVATION_SCHEMES and scale is not None
-                and scale.reshape(scale.shape[0], -1).shape[1] == 1):
+        if (
+            self.tp_size > 1
+            and self.schemes.get(0) in DYNAMIC_ACTIVATION_SCHEMES
+            and scale is not None
+            and scale.reshape(scale.shape[0], -1).shape[1] == 1
+        ):
             weight = params["weight"]
             params["weight"] = torch.cat([weight, weight.new_zeros(weight.shape[0], 1)], dim=1)
             self.global_token_scale = True

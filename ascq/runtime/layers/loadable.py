@@ -1,4 +1,5 @@
-"""Plain parameters (embeddings, norms) loaded by assignment: built on the meta device, replaced at load time."""
+"""Plain parameters (embeddings, norms) loaded by assignment: built on the meta device, replaced at load
+time."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ def assign_parameter(module: nn.Module, name: str, tensor: torch.Tensor) -> None
     """Replace `module.<name>` (a meta placeholder) with the loaded tensor, checking its shape."""
     expected = tuple(getattr(module, name).shape)
     if tuple(tensor.shape) != expected:
-        raise AscqError(f"checkpoint tensor for {type(module).__name__}.{name} has shape {tuple(tensor.shape)}, expected {expected}")
+        raise AscqError(
+            f"checkpoint tensor for {type(module).__name__}.{name} has shape {tuple(tensor.shape)}, "
+            f"expected {expected}"
+        )
     setattr(module, name, nn.Parameter(tensor, requires_grad=False))
 
 

@@ -2,10 +2,11 @@
 
 Expert parallelism (`enable_expert_parallel`): expert e lives on rank e // (num_experts / world) (contiguous
 ranges, as vLLM's). Activations are already replicated across the TP group, so dispatch needs no all-to-all:
-every rank runs its own experts on the tokens routed to them (tokens routed elsewhere get weight 0 here) and one
-all-reduce combines the ranks' partial sums (all-gather + reduce-scatter degenerates to this when every rank
-holds every token; an all-to-all pays off only with data-parallel attention, which ascq does not have).
-Without it, every rank holds every expert, tensor-parallel: gate/up split by output, down by input, all-reduced.
+every rank runs its own experts on the tokens routed to them (tokens routed elsewhere get weight 0 here) and
+one all-reduce combines the ranks' partial sums (all-gather + reduce-scatter degenerates to this when every
+rank holds every token; an all-to-all pays off only with data-parallel attention, which ascq does not have).
+Without it, every rank holds every expert, tensor-parallel: gate/up split by output, down by input,
+all-reduced.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, top_k: int, renormalize: bool, intermediate_size: int | None = None) -> None:
+    def __init__(
+        self, num_experts: int, top_k: int, renormalize: bool, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
@@ -50,7 +53,9 @@ class FusedMoE(nn.Module):
     def is_local(self, expert_id: int) -> bool:
         return self.first_expert <= expert_id < self.first_expert + self.num_local_experts
 
-    def weight_loader(self, param_name: str, tensor: torch.Tensor, expert_id: int, projection: str, scheme: str) -> None:
+    def weight_loader(
+        self, param_name: str, tensor: torch.Tensor, expert_id: int, projection: str, scheme: str
+    ) -> None:
         if projection not in PROJECTIONS or not 0 <= expert_id < self.num_experts:
             raise AscqError(f"unexpected expert weight: expert {expert_id} {projection}")
         if self.is_local(expert_id):
@@ -62,11 +67,14 @@ class FusedMoE(nn.Module):
 
     def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
         local = range(self.first_expert, self.first_expert + self.num_local_experts)
-        missing = [f"{e}.{p}" for e in local for p in PROJECTIONS if "weight" not in self.pending.get((e, p), {})]
+        missing = [
+            f"{e}.{p}" for e in local for p in PROJECTIONS if "weight" not in self.pending.get((e, p), {})
+        ]
         if missing:
             raise AscqError(f"checkpoint is missing expert weights: {', '.join(missing[:4])}")
         gate, up, down = (
-            [build_quant_weights(self.pending[(e, p)], self.schemes[(e, p)]) for e in local] for p in PROJECTIONS
+            [build_quant_weights(self.pending[(e, p)], self.schemes[(e, p)]) for e in local]
+            for p in PROJECTIONS
         )
         self.backend = backend
         self.prepared = backend.prepare_experts(gate, up, down, dtype)

@@ -21,7 +21,9 @@ def model_class_for(config: dict[str, Any]) -> type[nn.Module]:
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if family is None:
         supported = ", ".join(ARCHITECTURES)
-        raise UnsupportedError(f"model architecture {archs or config.get('model_type')} is not supported; supported: {supported}")
+        raise UnsupportedError(
+            f"model architecture {archs or config.get('model_type')} is not supported; supported: {supported}"
+        )
     if family == "deepseek":
         from ascq.runtime.models.deepseek import DeepseekForCausalLM
 

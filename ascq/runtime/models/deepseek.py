@@ -20,8 +20,12 @@ class DeepseekMoEBlock(nn.Module):
     def __init__(self, config: DeepseekConfig) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.n_routed_experts)
-        self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.norm_topk_prob,
-                                config.moe_intermediate_size)
+        self.experts = FusedMoE(
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            config.norm_topk_prob,
+            config.moe_intermediate_size,
+        )
         self.shared_experts = None
         if config.n_shared_experts:
             intermediate = config.moe_intermediate_size * config.n_shared_experts
@@ -37,7 +41,11 @@ class DeepseekMoEBlock(nn.Module):
 class DeepseekForCausalLM(CausalLM):
     def __init__(self, config: dict[str, Any]) -> None:
         parsed = DeepseekConfig.from_dict(config)
-        config = {**config, "num_key_value_heads": parsed.num_key_value_heads, "rms_norm_eps": parsed.rms_norm_eps}
+        config = {
+            **config,
+            "num_key_value_heads": parsed.num_key_value_heads,
+            "rms_norm_eps": parsed.rms_norm_eps,
+        }
 
         def make_layer(i: int) -> nn.Module:
             if parsed.is_moe_layer(i):

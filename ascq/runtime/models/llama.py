@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias): GQA, tied or untied embeddings, rope scaling."""
+"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias): GQA, tied or untied embeddings, rope
+scaling."""
 
 from __future__ import annotations
 
@@ -30,13 +31,18 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = kv_heads_per_rank(num_kv_heads, world)
         hidden = config["hidden_size"]
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=bool(config.get("attention_bias")))
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_dim, hidden, bias=bool(config.get("attention_bias"))
+        )
         max_position = config.get("max_position_embeddings", 2048)
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
 
     def project(
-        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, Hkv, D] of x (rotated); `cos_sin`: this step's rotary factors
         (`RotaryEmbedding.cos_sin`), shared by all layers when given. `self.attn` and `self.o_proj` follow."""
@@ -65,8 +71,8 @@ class LlamaMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; `mlp` is any module mapping [T, hidden] -> [T, hidden].
 
-    `decode_graph`: `run` compiled for pure decode steps (set by the model runner's `DecodeGraphs`), used when the
-    step's metadata asks for it."""
+    `decode_graph`: `run` compiled for pure decode steps (set by the model runner's `DecodeGraphs`), used when
+    the step's metadata asks for it."""
 
     decode_graph: Callable | None = None
 
@@ -79,7 +85,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if meta.use_decode_graph and self.decode_graph is not None:
@@ -87,7 +97,11 @@ class DecoderLayer(nn.Module):
         return self.run(positions, x, residual, meta, cos_sin)
 
     def run(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, residual = self.pre_attention(positions, x, residual, cos_sin)
@@ -95,7 +109,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def pre_attention(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm (adding the residual) -> q, k, v projection -> rotary: (q, k, v, residual)."""
@@ -105,14 +122,16 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         return *self.self_attn.project(positions, x, cos_sin), residual
 
-    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def post_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj -> post-attention norm (adding the residual): (the MLP's input, residual)."""
         return self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
 
 
 class DecoderModel(nn.Module):
-    """`fused_decode`: runs a pure decode step's layers and final norm in one native call (set by the model runner;
-    see runtime/fused_decode.py), returning None for steps it does not take."""
+    """`fused_decode`: runs a pure decode step's layers and final norm in one native call (set by the model
+    runner; see runtime/fused_decode.py), returning None for steps it does not take."""
 
     fused_decode: Callable | None = None
 
@@ -122,7 +141,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(i) for i in range(config["num_hidden_layers"]))
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x, cos_sin = self.embed(input_ids, positions)
         residual = None
         fused = self.fused_decode(x, cos_sin, meta) if self.fused_decode is not None else None
@@ -134,16 +155,21 @@ class DecoderModel(nn.Module):
         return x
 
     def embed(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Token embeddings and the step's rotary factors (shared by every layer)."""
         x = self.embed_tokens(input_ids)
-        cos_sin = self.layers[0].self_attn.rotary_emb.cos_sin(positions, x.dtype) if len(self.layers) else None
+        cos_sin = (
+            self.layers[0].self_attn.rotary_emb.cos_sin(positions, x.dtype) if len(self.layers) else None
+        )
         return x, cos_sin
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head; `forward` returns final hidden states, `compute_logits` fp32 logits for chosen rows."""
+    """Decoder + LM head; `forward` returns final hidden states, `compute_logits` fp32 logits for chosen
+    rows."""
 
     def __init__(self, config: dict[str, Any], make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
@@ -152,13 +178,17 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config, make_layer)
         self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], scheme_for: Callable[[str], str]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], scheme_for: Callable[[str], str]
+    ) -> None:
         def with_tied_head() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 if name == "lm_head.weight" and self.tie_word_embeddings:

@@ -61,7 +61,9 @@ def load_named_weights(
         elif module is not None and hasattr(module, "weight_loader") and hasattr(module, param):
             module.weight_loader(param, tensor)
         else:
-            raise AscqError(f"checkpoint tensor {name!r} does not belong to any layer of {type(model).__name__}")
+            raise AscqError(
+                f"checkpoint tensor {name!r} does not belong to any layer of {type(model).__name__}"
+            )
 
 
 def _module(modules: dict[str, nn.Module], name: str, tensor_name: str, kind: type) -> nn.Module:

@@ -60,36 +60,68 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.logit_bias:
-            self.logit_bias = {int(t): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b)))
-                               for t, b in self.logit_bias.items()}
+            self.logit_bias = {
+                int(t): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b)))
+                for t, b in self.logit_bias.items()
+            }
         for message in self._errors():
             raise ValueError(message)
 
     def _errors(self) -> list[str]:
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be positive, got {self.repetition_penalty}"),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.repetition_penalty > 0,
+                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+            ),
             (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (0 <= self.min_tokens <= self.max_tokens,
-             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
-            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-             f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}"),
+            (
+                0 <= self.min_tokens <= self.max_tokens,
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+            ),
+            (
+                self.logprobs is None or self.logprobs >= 0,
+                f"logprobs must be non-negative, got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}",
+            ),
             (all(isinstance(s, str) for s in self.stop), "stop must be a string or a list of strings"),
-            (all(isinstance(s, str) and s for s in self.bad_words), "bad_words must be a list of non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
-            (self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
-                isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
-             "allowed_token_ids must be a non-empty list of token ids"),
+            (
+                all(isinstance(s, str) and s for s in self.bad_words),
+                "bad_words must be a list of non-empty strings",
+            ),
+            (
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids must be token ids",
+            ),
+            (
+                self.allowed_token_ids is None
+                or (
+                    bool(self.allowed_token_ids)
+                    and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)
+                ),
+                "allowed_token_ids must be a non-empty list of token ids",
+            ),
             (all(t >= 0 for t in (self.logit_bias or {})), "logit_bias keys must be token ids"),
-            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-             "structured_outputs must be a StructuredOutputsParams"),
+            (
+                self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs must be a StructuredOutputsParams",
+            ),
         ]
         return [message for ok, message in checks if not ok]
 
@@ -103,8 +135,11 @@ class SamplingParams:
 
     def token_ids_in_range(self, vocab_size: int) -> str | None:
         """An error message when a token id parameter lies outside the vocabulary, else None."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
-                          ("logit_bias", list(self.logit_bias or {}))):
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids),
+            ("logit_bias", list(self.logit_bias or {})),
+        ):
             bad = [t for t in ids or [] if t >= vocab_size]
             if bad:
                 return f"{name} has token ids outside [0, {vocab_size}): {bad[:5]}"

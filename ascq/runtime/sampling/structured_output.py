@@ -1,10 +1,11 @@
-"""Structured outputs (JSON schema, JSON object, regex, choice, EBNF grammar) with xgrammar, vLLM's default engine.
+"""Structured outputs (JSON schema, JSON object, regex, choice, EBNF grammar) with xgrammar, vLLM's default
+engine.
 
-`StructuredOutputsParams` is vLLM's request-side shape (exactly one constraint). `StructuredOutputManager` compiles
-each constraint once (cached by its canonical JSON), keeps one `GrammarMatcher` per sequence and, each step, fills
-one token bitmask row per sequence that the sampler applies to the logits as a batch. xgrammar is an optional
-dependency (`pip install ascq[structured]`): a request that needs it without it installed fails with a clear
-error.
+`StructuredOutputsParams` is vLLM's request-side shape (exactly one constraint). `StructuredOutputManager`
+compiles each constraint once (cached by its canonical JSON), keeps one `GrammarMatcher` per sequence and,
+each step, fills one token bitmask row per sequence that the sampler applies to the logits as a batch.
+xgrammar is an optional dependency (`pip install ascq[structured]`): a request that needs it without it
+installed fails with a clear error.
 """
 
 from __future__ import annotations
@@ -32,15 +33,19 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         chosen = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
         if len(chosen) != 1:
-            raise ValueError(f"structured outputs need exactly one of json, regex, choice, grammar, json_object; got "
-                             f"{', '.join(chosen) or 'none'}")
+            raise ValueError(
+                f"structured outputs need exactly one of json, regex, choice, grammar, json_object; got "
+                f"{', '.join(chosen) or 'none'}"
+            )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured outputs choice must be a non-empty list of strings")
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"structured outputs json is not a valid JSON schema document: {exc.msg}") from exc
+                raise ValueError(
+                    f"structured outputs json is not a valid JSON schema document: {exc.msg}"
+                ) from exc
         if self.json is not None and not isinstance(self.json, dict | bool):
             raise ValueError("structured outputs json must be a JSON schema object")
 
@@ -54,7 +59,9 @@ def require_xgrammar() -> Any:
     try:
         import xgrammar
     except ImportError as exc:
-        raise UnsupportedError("structured outputs need the xgrammar package: pip install 'ascq[structured]'") from exc
+        raise UnsupportedError(
+            "structured outputs need the xgrammar package: pip install 'ascq[structured]'"
+        ) from exc
     return xgrammar
 
 
@@ -90,7 +97,9 @@ class StructuredOutputManager:
                 compiled = compiler.compile_regex(choice_regex(params.choice))
             else:
                 compiled = compiler.compile_grammar(params.grammar)
-        except Exception as exc:  # xgrammar reports bad input as RuntimeError (some as other types): user input
+        except (
+            Exception
+        ) as exc:  # xgrammar reports bad input as RuntimeError (some as other types): user input
             kind = next(f.name for f in fields(params) if getattr(params, f.name) not in (None, False))
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", " ".join(str(exc).split()))  # drop the C++ location
             raise ValueError(f"invalid structured outputs {kind}: {reason[:300]}") from exc
@@ -102,8 +111,9 @@ class StructuredOutputManager:
     def _get_compiler(self) -> Any:
         if self._compiler is None:
             xgr = require_xgrammar()
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
@@ -135,7 +145,6 @@ class StructuredOutputManager:
         if not matcher.accept_token(token_id):
             raise RuntimeError(f"token {token_id} was sampled although the grammar mask forbids it")
         return matcher.is_terminated()
-
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

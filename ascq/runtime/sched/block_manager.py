@@ -1,13 +1,14 @@
 """KV-cache block allocation with automatic prefix caching (vLLM v1's design).
 
-Every full block of a request gets a key: sha256 over the previous block's key and the block's token ids (vLLM's
-`--prefix-caching-hash-algo sha256`; Python's `hash()` of ints and tuples is unkeyed and collisions can be built,
-CVE-2025-25183). Nothing else changes a block's KV here: one model, no LoRA, no multimodal inputs; such inputs
-would join the key. A computed full block is registered under its key and can be shared (reference counted) by
-any later request whose block has the same key, parent key and token ids (a hit compares the stored token ids, so
-even a colliding key never hands out another prompt's KV). Freed blocks keep their hash and join the free queue at the tail; allocation takes from the head,
-so cached blocks are evicted least-recently-freed first. A request's last prompt token is always recomputed, so a
-hit never covers the whole prompt (the model must produce logits for it).
+Every full block of a request gets a key: sha256 over the previous block's key and the block's token ids
+(vLLM's `--prefix-caching-hash-algo sha256`; Python's `hash()` of ints and tuples is unkeyed and collisions
+can be built, CVE-2025-25183). Nothing else changes a block's KV here: one model, no LoRA, no multimodal
+inputs; such inputs would join the key. A computed full block is registered under its key and can be shared
+(reference counted) by any later request whose block has the same key, parent key and token ids (a hit
+compares the stored token ids, so even a colliding key never hands out another prompt's KV). Freed blocks keep
+their hash and join the free queue at the tail; allocation takes from the head, so cached blocks are evicted
+least-recently-freed first. A request's last prompt token is always recomputed, so a hit never covers the
+whole prompt (the model must produce logits for it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ ROOT_KEY = hashlib.sha256(b"ascq prefix cache v1").digest()
 
 
 def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """sha256 over the parent block's key (ROOT_KEY for the first block) and the block's token ids (as int64)."""
+    """sha256 over the parent block's key (ROOT_KEY for the first block) and the block's token ids (as
+    int64)."""
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
@@ -53,7 +55,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
-        return tuple(request.token_ids[index * self.block_size:(index + 1) * self.block_size])
+        return tuple(request.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
     def _hash_blocks(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = request.block_hashes
@@ -63,11 +65,16 @@ class BlockManager:
         return hashes[:num_full_blocks]
 
     def get_computed_blocks(self, request: Request) -> list[int]:
-        """The longest run of cached blocks matching the request's leading full blocks (never its last token)."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:  # needs every position
+        """The longest run of cached blocks matching the request's leading full blocks (never its last
+        token)."""
+        if (
+            not self.enable_prefix_caching or request.params.prompt_logprobs is not None
+        ):  # needs every position
             return []
         hits = []
-        for i, block_hash in enumerate(self._hash_blocks(request, (request.num_tokens - 1) // self.block_size)):
+        for i, block_hash in enumerate(
+            self._hash_blocks(request, (request.num_tokens - 1) // self.block_size)
+        ):
             block_id = self.cached_blocks.get(block_hash)
             parent = request.block_hashes[i - 1] if i else ROOT_KEY
             if block_id is None or self.block_content[block_id] != (parent, self._block_tokens(request, i)):
@@ -76,7 +83,8 @@ class BlockManager:
         return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
-        """Give the request blocks for `num_new_tokens` more tokens (after `computed_blocks`); False if short."""
+        """Give the request blocks for `num_new_tokens` more tokens (after `computed_blocks`); False if
+        short."""
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens) - len(request.block_table) - len(computed_blocks)
         num_reused_free = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
@@ -113,12 +121,16 @@ class BlockManager:
             block_id, block_hash = request.block_table[i], hashes[i]
             if self.block_hash[block_id] is None and block_hash not in self.cached_blocks:
                 self.block_hash[block_id] = block_hash
-                self.block_content[block_id] = (hashes[i - 1] if i else ROOT_KEY, self._block_tokens(request, i))
+                self.block_content[block_id] = (
+                    hashes[i - 1] if i else ROOT_KEY,
+                    self._block_tokens(request, i),
+                )
                 self.cached_blocks[block_hash] = block_id
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def free_excess_slots(self, request: Request) -> None:
-        """Speculative rollback: free the tail blocks beyond the request's tokens (they held rejected tokens' KV).
+        """Speculative rollback: free the tail blocks beyond the request's tokens (they held rejected tokens'
+        KV).
 
         They were allocated this step and never published to the prefix cache (only blocks of computed tokens
         are), so they go to the head of the free queue, to be reused before any cached block is evicted."""

@@ -2,9 +2,9 @@
 
 Each running request advances `num_computed_tokens` toward `num_tokens`; a prompt longer than the budget is
 prefilled in chunks over several steps while other requests decode. Waiting requests are admitted first come
-first served while blocks, the token budget and `max_num_seqs` allow (reusing prefix-cache hits). When a running
-request cannot get a block, the newest running request is preempted: its blocks are freed and it goes back to
-the front of the queue to be recomputed later (mostly from the prefix cache).
+first served while blocks, the token budget and `max_num_seqs` allow (reusing prefix-cache hits). When a
+running request cannot get a block, the newest running request is preempted: its blocks are freed and it goes
+back to the front of the queue to be recomputed later (mostly from the prefix cache).
 
 Speculative decoding: a running request's proposed tokens (`spec_token_ids`) are scheduled after its own
 remaining tokens when the budget and the blocks allow (else it runs without them); after verification

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: routes, body parsing, API-key check, error JSON.
 
-Bodies are parsed by hand (size limit, strict UTF-8, JSON object, pydantic model) so that every kind of bad input
-becomes OpenAI's error JSON with a 4xx, never a 500. Engine work goes through `AsyncEngine`.
+Bodies are parsed by hand (size limit, strict UTF-8, JSON object, pydantic model) so that every kind of bad
+input becomes OpenAI's error JSON with a 4xx, never a 500. Engine work goes through `AsyncEngine`.
 """
 
 from __future__ import annotations
@@ -48,9 +48,16 @@ logger = logging.getLogger("ascq.serve")
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-def create_app(engine: AsyncEngine, tokenizer: Any, prompter: ChatPrompter, model_name: str,
-               max_model_len: int, vocab_size: int, api_key: str | None = None,
-               tool_options: Any = None) -> FastAPI:
+def create_app(
+    engine: AsyncEngine,
+    tokenizer: Any,
+    prompter: ChatPrompter,
+    model_name: str,
+    max_model_len: int,
+    vocab_size: int,
+    api_key: str | None = None,
+    tool_options: Any = None,
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
@@ -114,27 +121,38 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
-    """The request body as `model`, or an APIError: 413 too large, 400 not UTF-8 / not JSON / invalid fields."""
+    """The request body as `model`, or an APIError: 413 too large, 400 not UTF-8 / not JSON / invalid
+    fields."""
     declared = request.headers.get("content-length", "0")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES} bytes",
-                       code="request_too_large")
+        raise APIError(
+            413,
+            f"request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES} bytes",
+            code="request_too_large",
+        )
     body = bytearray()
     try:
         async for chunk in request.stream():
             body += chunk
             if len(body) > MAX_BODY_BYTES:
-                raise APIError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes",
-                               code="request_too_large")
+                raise APIError(
+                    413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", code="request_too_large"
+                )
     except ClientDisconnect as exc:
-        raise APIError(499, "client disconnected while sending the request", code="client_disconnected") from exc
+        raise APIError(
+            499, "client disconnected while sending the request", code="client_disconnected"
+        ) from exc
     try:
         data = json.loads(bytes(body).decode("utf-8"))
-        json.dumps(data, ensure_ascii=False).encode("utf-8")  # lone surrogates (\ud800) cannot reach the tokenizer
+        json.dumps(data, ensure_ascii=False).encode(
+            "utf-8"
+        )  # lone surrogates (\ud800) cannot reach the tokenizer
     except UnicodeError as exc:
         raise APIError(400, f"request body is not valid UTF-8 text: {exc.reason}") from exc
     except json.JSONDecodeError as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})") from exc
+        raise APIError(
+            400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"
+        ) from exc
     except RecursionError as exc:
         raise APIError(400, "request body JSON is nested too deeply") from exc
     if not isinstance(data, dict):
@@ -172,8 +190,11 @@ class ApiKeyMiddleware:
         if self.expected and scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                 code="invalid_api_key")
+                error = APIError(
+                    401,
+                    "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    code="invalid_api_key",
+                )
                 await _api_error_response(None, error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -211,7 +232,9 @@ def _internal_error_response(_: Request, exc: Exception) -> JSONResponse:
 
 DRAIN_TIMEOUT_S = 5.0  # SIGTERM: running requests may finish for this long, then they fail
 GRACEFUL_SHUTDOWN_S = DRAIN_TIMEOUT_S + 2.0
-ENGINE_DEAD_EXIT_S = 4.0  # engine process died: the server exits (code 1) within this, open connections or not
+ENGINE_DEAD_EXIT_S = (
+    4.0  # engine process died: the server exits (code 1) within this, open connections or not
+)
 # longer than clients' keep-alive (httpx, the openai client: 5 s), so a client never reuses a connection the
 # server is closing at the same moment (that race surfaces as a read error on a non-retryable POST)
 KEEP_ALIVE_S = 20
@@ -239,31 +262,41 @@ class ServeOptions:
         if self.api_key is not None and not self.api_key.strip():
             raise AscqError("--api-key must not be empty")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise AscqError(f"--tool-call-parser {self.tool_call_parser!r} is not supported; supported: "
-                            f"{', '.join(TOOL_CALL_PARSERS)}")
+            raise AscqError(
+                f"--tool-call-parser {self.tool_call_parser!r} is not supported; supported: "
+                f"{', '.join(TOOL_CALL_PARSERS)}"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise AscqError("--enable-auto-tool-choice needs --tool-call-parser (supported: "
-                            f"{', '.join(TOOL_CALL_PARSERS)})")
+            raise AscqError(
+                "--enable-auto-tool-choice needs --tool-call-parser (supported: "
+                f"{', '.join(TOOL_CALL_PARSERS)})"
+            )
 
 
 def check_kv_fits_one_sequence(engine: Any) -> None:
-    """Refuse to serve when the KV cache cannot hold a single max_model_len sequence (vLLM's startup check)."""
+    """Refuse to serve when the KV cache cannot hold a single max_model_len sequence (vLLM's startup
+    check)."""
     blocks = engine.block_manager
     num_tokens = blocks.num_blocks * blocks.block_size
     if num_tokens >= engine.max_model_len:
         return
     needed = blocks.blocks_needed(engine.max_model_len) * engine.block_bytes
     raise AscqError(
-        f"the KV cache holds {num_tokens} tokens ({blocks.num_blocks} blocks of {blocks.block_size}), fewer than one "
+        f"the KV cache holds {num_tokens} tokens ({blocks.num_blocks} blocks of {blocks.block_size}), fewer "
+        f"than one "
         f"max_model_len {engine.max_model_len} sequence needs: give --kv-cache-memory {needed} (or more), or "
-        f"--max-model-len {num_tokens} (or less)")
+        f"--max-model-len {num_tokens} (or less)"
+    )
 
 
 def describe_engine(engine: Any, model_name: str, options: ServeOptions) -> dict[str, Any]:
     """Runs in the engine process once the model is loaded: the startup check and what the server needs."""
     check_kv_fits_one_sequence(engine)
-    return {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-            "startup_lines": startup_lines(engine, model_name, options)}
+    return {
+        "max_model_len": engine.max_model_len,
+        "vocab_size": engine.vocab_size,
+        "startup_lines": startup_lines(engine, model_name, options),
+    }
 
 
 def startup_lines(engine: Any, model_name: str, options: ServeOptions) -> list[str]:
@@ -271,17 +304,26 @@ def startup_lines(engine: Any, model_name: str, options: ServeOptions) -> list[s
     schemes = sorted({group[1] for group in engine.quant_config.groups}) if engine.quant_config else ["dense"]
     kv_dtype = str(engine.kv_cache_dtype).removeprefix("torch.")
     host = f"[{options.host}]" if ":" in options.host else options.host
-    auth = ("on (Authorization: Bearer required on /v1/*, /tokenize, /detokenize)" if options.api_key else
-            "off (no API key: anyone who can reach the port can use it)")
+    auth = (
+        "on (Authorization: Bearer required on /v1/*, /tokenize, /detokenize)"
+        if options.api_key
+        else "off (no API key: anyone who can reach the port can use it)"
+    )
+    tool_calling = "named/required tool_choice only"
+    if options.tool_call_parser:
+        auto = "on" if options.enable_auto_tool_choice else "off"
+        tool_calling = f"{options.tool_call_parser} parser, auto tool choice {auto}"
     return [
         f"model: {args.model} (served as '{model_name}')",
-        f"dtype: {str(engine.dtype).removeprefix('torch.')}, scheme: {', '.join(schemes)}, device: {args.device}",
-        f"KV cache: {blocks.num_blocks} blocks x {blocks.block_size} tokens = {blocks.num_blocks * blocks.block_size} "
+        f"dtype: {str(engine.dtype).removeprefix('torch.')}, scheme: {', '.join(schemes)}, device: "
+        f"{args.device}",
+        f"KV cache: {blocks.num_blocks} blocks x {blocks.block_size} tokens = "
+        f"{blocks.num_blocks * blocks.block_size} "
         f"tokens ({blocks.num_blocks * engine.block_bytes / 2**20:.1f} MiB, {kv_dtype}), prefix caching "
         f"{'on' if blocks.enable_prefix_caching else 'off'}",
         f"max_model_len: {engine.max_model_len}, max_num_seqs: {args.max_num_seqs}",
         f"auth: {auth}",
-        f"tool calling: {options.tool_call_parser + ' parser, auto tool choice ' + ('on' if options.enable_auto_tool_choice else 'off') if options.tool_call_parser else 'named/required tool_choice only'}",
+        f"tool calling: {tool_calling}",
         f"URL: http://{host}:{options.port}/v1",
     ]
 
@@ -308,8 +350,8 @@ class _Server(uvicorn.Server):
 
 def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | None = None) -> None:
     """Start the engine process, serve until SIGTERM/SIGINT, drain, return (exit code 0); exit code 1 when the
-    engine process dies. `sock`: the already bound listening socket (bind_socket), else it is bound here, still
-    before the model loads."""
+    engine process dies. `sock`: the already bound listening socket (bind_socket), else it is bound here,
+    still before the model loads."""
     from transformers import AutoTokenizer
 
     from ascq.runtime.engine.engine_core import EngineCoreProcess
@@ -327,17 +369,34 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
     options.port = sock.getsockname()[1]
     # the engine process checks the KV cache and describes itself (api_key: only whether there is one)
     described = dataclasses.replace(options, api_key="set" if options.api_key else None)
-    core = EngineCoreProcess(engine_args, functools.partial(describe_engine, model_name=model_name, options=described))
+    core = EngineCoreProcess(
+        engine_args, functools.partial(describe_engine, model_name=model_name, options=described)
+    )
     for line in core.info["startup_lines"]:
         logger.info(line)
     # the event loop's own tokenizer copy
     tokenizer = AutoTokenizer.from_pretrained(str(engine_args.tokenizer or engine_args.model))
-    async_engine = AsyncEngine(core, tokenizer, ServerMetrics(model_name),
-                               stream_interval=options.stream_interval)
-    app = create_app(async_engine, tokenizer, ChatPrompter(tokenizer, template), model_name,
-                     core.info["max_model_len"], core.info["vocab_size"], options.api_key, tool_options=options)
-    uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                               timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    async_engine = AsyncEngine(
+        core, tokenizer, ServerMetrics(model_name), stream_interval=options.stream_interval
+    )
+    app = create_app(
+        async_engine,
+        tokenizer,
+        ChatPrompter(tokenizer, template),
+        model_name,
+        core.info["max_model_len"],
+        core.info["vocab_size"],
+        options.api_key,
+        tool_options=options,
+    )
+    uv_config = uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
     # uvicorn re-raises the caught signal after its graceful shutdown; with these no-op handlers restored
     # first, a drained SIGTERM ends the process with exit code 0
     for sig in (signal.SIGTERM, signal.SIGINT):

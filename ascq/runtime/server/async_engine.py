@@ -1,14 +1,15 @@
 """Lets asyncio code submit requests to the engine core process (engine_core.py) and stream their outputs.
 
-The event loop owns all bookkeeping, including detokenisation (`OutputProcessor`: the core sends token ids); two threads move pickled messages: a writer (so a full pipe never blocks the
-event loop) and a reader that hands each message to the loop with `call_soon_threadsafe`. Draining (SIGTERM)
-lets running requests finish until a deadline and then fails the rest, so shutdown time is bounded. If the engine
-process dies, every open request fails with a 503, new ones get 503, and `on_engine_dead` tells the server to
-exit non-zero (so a supervisor restarts it).
+The event loop owns all bookkeeping, including detokenisation (`OutputProcessor`: the core sends token ids);
+two threads move pickled messages: a writer (so a full pipe never blocks the event loop) and a reader that
+hands each message to the loop with `call_soon_threadsafe`. Draining (SIGTERM) lets running requests finish
+until a deadline and then fails the rest, so shutdown time is bounded. If the engine process dies, every open
+request fails with a 503, new ones get 503, and `on_engine_dead` tells the server to exit non-zero (so a
+supervisor restarts it).
 
 `stream_interval` (vLLM's `--stream-interval`): a request's output reaches its stream only at its first token,
-every `stream_interval` tokens after that, and when it finishes. Outputs are cumulative, so nothing is lost; fewer
-SSE events cost the server and the client less CPU per token (README "Serving").
+every `stream_interval` tokens after that, and when it finishes. Outputs are cumulative, so nothing is lost;
+fewer SSE events cost the server and the client less CPU per token (README "Serving").
 """
 
 from __future__ import annotations
@@ -80,8 +81,14 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCoreProcess, tokenizer: Any, metrics: ServerMetrics,
-                 on_engine_dead: Callable[[], None] | None = None, stream_interval: int = 1) -> None:
+    def __init__(
+        self,
+        core: EngineCoreProcess,
+        tokenizer: Any,
+        metrics: ServerMetrics,
+        on_engine_dead: Callable[[], None] | None = None,
+        stream_interval: int = 1,
+    ) -> None:
         self.core = core
         self.stream_interval = stream_interval
         self.metrics = metrics
@@ -148,8 +155,12 @@ class AsyncEngine:
         if self._drain_deadline is None:
             self._drain_deadline = time.monotonic() + timeout_s
             if self.loop is not None:
-                self.loop.call_soon_threadsafe(self.loop.call_later, timeout_s, self._fail_all,
-                                               APIError(503, "the server shut down before this request finished"))
+                self.loop.call_soon_threadsafe(
+                    self.loop.call_later,
+                    timeout_s,
+                    self._fail_all,
+                    APIError(503, "the server shut down before this request finished"),
+                )
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping = True
@@ -238,8 +249,10 @@ class AsyncEngine:
         if self._stopping:
             return
         self._dead = True
-        logger.error("the engine process died (exit code %s); failing every request and exiting",
-                     self.core.process.exitcode)
+        logger.error(
+            "the engine process died (exit code %s); failing every request and exiting",
+            self.core.process.exitcode,
+        )
         self._fail_all(APIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead"))
         if self.on_engine_dead is not None:
             self.on_engine_dead()

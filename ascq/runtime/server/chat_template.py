@@ -1,4 +1,5 @@
-"""Chat prompts: the tokenizer's chat template, or one given with --chat-template (a file or an inline template).
+"""Chat prompts: the tokenizer's chat template, or one given with --chat-template (a file or an inline
+template).
 
 Rendered prompts are tokenized without adding special tokens, as vLLM does: the template writes BOS itself.
 """
@@ -34,14 +35,30 @@ class ChatPrompter:
         self.tokenizer = tokenizer
         self.template = template or getattr(tokenizer, "chat_template", None)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         if not self.template:
-            raise APIError(400, "this model has no chat template; start the server with --chat-template",
-                           param="messages")
+            raise APIError(
+                400,
+                "this model has no chat template; start the server with --chat-template",
+                param="messages",
+            )
         try:
-            text = self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, tools=tools)
-        except (jinja2.TemplateError, TypeError, ValueError) as exc:  # templates reject conversations (role order)
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+            )
+        except (
+            jinja2.TemplateError,
+            TypeError,
+            ValueError,
+        ) as exc:  # templates reject conversations (role order)
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -16,7 +16,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise AscqError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running?)") from exc
+        raise AscqError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running?)"
+        ) from exc
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

@@ -1,4 +1,5 @@
-"""Engine logprobs (one `{token_id: logprob}` per generated token, sampled token plus top-n) in OpenAI's shapes."""
+"""Engine logprobs (one `{token_id: logprob}` per generated token, sampled token plus top-n) in OpenAI's
+shapes."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ class LogprobFormatter:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def completion(self, token_ids: list[int], steps: list[dict[int, float]] | None, top_n: int | None,
-                   text_offset: int) -> CompletionLogprobs | None:
+    def completion(
+        self, token_ids: list[int], steps: list[dict[int, float]] | None, top_n: int | None, text_offset: int
+    ) -> CompletionLogprobs | None:
         """/v1/completions `logprobs`: token strings, their logprobs, top-n dicts and character offsets."""
         if top_n is None:
             return None
@@ -34,24 +36,39 @@ class LogprobFormatter:
             text_offset += len(text)
         return result
 
-    def prompt(self, steps: list[dict[int, float] | None] | None) -> list[dict[str, PromptLogprob] | None] | None:
-        """vLLM's `prompt_logprobs`: per prompt token {token id: {logprob, decoded_token}}; the first is None."""
+    def prompt(
+        self, steps: list[dict[int, float] | None] | None
+    ) -> list[dict[str, PromptLogprob] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token {token id: {logprob, decoded_token}}; the first is
+        None."""
         if steps is None:
             return None
-        return [None if step is None else {str(t): PromptLogprob(logprob=finite(lp), decoded_token=self._text(t))
-                                           for t, lp in step.items()} for step in steps]
+        return [
+            None
+            if step is None
+            else {
+                str(t): PromptLogprob(logprob=finite(lp), decoded_token=self._text(t))
+                for t, lp in step.items()
+            }
+            for step in steps
+        ]
 
     @staticmethod
-    def concat(first: CompletionLogprobs | None, second: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    def concat(
+        first: CompletionLogprobs | None, second: CompletionLogprobs | None
+    ) -> CompletionLogprobs | None:
         if first is None or second is None:
             return first or second
-        return CompletionLogprobs(tokens=first.tokens + second.tokens,
-                                  token_logprobs=first.token_logprobs + second.token_logprobs,
-                                  top_logprobs=first.top_logprobs + second.top_logprobs,
-                                  text_offset=first.text_offset + second.text_offset)
+        return CompletionLogprobs(
+            tokens=first.tokens + second.tokens,
+            token_logprobs=first.token_logprobs + second.token_logprobs,
+            top_logprobs=first.top_logprobs + second.top_logprobs,
+            text_offset=first.text_offset + second.text_offset,
+        )
 
-    def chat(self, token_ids: list[int], steps: list[dict[int, float]] | None,
-             top_n: int | None) -> ChatLogprobs | None:
+    def chat(
+        self, token_ids: list[int], steps: list[dict[int, float]] | None, top_n: int | None
+    ) -> ChatLogprobs | None:
         """/v1/chat/completions `logprobs.content`: one entry per token with its top-n alternatives."""
         if top_n is None:
             return None
@@ -64,7 +81,9 @@ class LogprobFormatter:
 
     def _top_dict(self, step: dict[int, float], top_n: int) -> dict[str, float]:
         top: dict[str, float] = {}
-        for token_id, logprob in _top(step, top_n):  # distinct ids may decode alike (partial UTF-8): keep the best
+        for token_id, logprob in _top(
+            step, top_n
+        ):  # distinct ids may decode alike (partial UTF-8): keep the best
             top.setdefault(self._text(token_id), finite(logprob))
         return top
 

@@ -4,8 +4,8 @@ Requests are validated strictly (a string where a number belongs is a 400, as Op
 silently ignored: an OpenAI field ascq does not implement (`UNSUPPORTED_FIELDS`) is a 400 naming it unless its
 value is a no-op, and so is any field neither OpenAI nor vLLM defines. vLLM's extensions (top_k, min_p,
 repetition_penalty, min_tokens, stop_token_ids, ignore_eos, bad_words, allowed_token_ids, prompt_logprobs,
-include_stop_str_in_output, skip_special_tokens, structured_outputs, guided_json / guided_regex / guided_choice /
-guided_grammar) are accepted too.
+include_stop_str_in_output, skip_special_tokens, structured_outputs, guided_json / guided_regex /
+guided_choice / guided_grammar) are accepted too.
 """
 
 from __future__ import annotations
@@ -25,8 +25,14 @@ INT64_MAX = 2**63 - 1
 class APIError(Exception):
     """An error returned to the client as OpenAI's error JSON with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 error_type: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -35,7 +41,14 @@ class APIError(Exception):
         self.error_type = error_type or ("invalid_request_error" if status < 500 else "server_error")
 
     def to_json(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 # OpenAI request fields ascq does not implement -> (values that change nothing and are accepted, why not)
@@ -162,8 +175,9 @@ class SamplingFields(StrictModel):
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self) -> SamplingFields:
         if self.prompt_logprobs is not None and self.stream:
-            raise UnsupportedFieldError("prompt_logprobs", "prompt_logprobs are not available when streaming (as in "
-                                        "vLLM)")
+            raise UnsupportedFieldError(
+                "prompt_logprobs", "prompt_logprobs are not available when streaming (as in vLLM)"
+            )
         return self
 
     @field_validator("logit_bias")
@@ -176,9 +190,14 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[
-        list[str], Field(min_length=1, max_length=MAX_BATCH)] | Annotated[
-        list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)]
+    prompt: (
+        str
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)]
+        | Annotated[
+            list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)
+        ]
+    )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -186,8 +205,11 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise UnsupportedFieldError("best_of", f"best_of {self.best_of} > n {self.n} is not supported (as in "
-                                        "vLLM v1): every generated sequence is returned; use n")
+            raise UnsupportedFieldError(
+                "best_of",
+                f"best_of {self.best_of} > n {self.n} is not supported (as in "
+                "vLLM v1): every generated sequence is returned; use n",
+            )
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -226,7 +248,10 @@ class ChatMessage(StrictModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
 
     def as_template_dict(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text,
+        }
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -272,8 +297,11 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
-                t.function.name for t in self.tools or []}:
-            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, not in tools")
+            t.function.name for t in self.tools or []
+        }:
+            raise ValueError(
+                f"tool_choice names the function {self.tool_choice.function.name!r}, not in tools"
+            )
         return self
 
 

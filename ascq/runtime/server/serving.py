@@ -1,7 +1,9 @@
-"""Completions and chat completions: request -> prompt token ids + SamplingParams -> engine -> OpenAI response.
+"""Completions and chat completions: request -> prompt token ids + SamplingParams -> engine -> OpenAI
+response.
 
-Prompts are tokenized here (the same `tokenizer.encode` the engine applies to text prompts; chat prompts through
-the chat template without special tokens) so that length errors name both numbers before the engine sees them.
+Prompts are tokenized here (the same `tokenizer.encode` the engine applies to text prompts; chat prompts
+through the chat template without special tokens) so that length errors name both numbers before the engine
+sees them.
 """
 
 from __future__ import annotations
@@ -51,8 +53,16 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, prompter: ChatPrompter, model_name: str,
-                 max_model_len: int, vocab_size: int, tool_options: Any = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Any,
+        prompter: ChatPrompter,
+        model_name: str,
+        max_model_len: int,
+        vocab_size: int,
+        tool_options: Any = None,
+    ) -> None:
         self.engine = engine
         self.enable_auto_tool_choice = bool(tool_options and tool_options.enable_auto_tool_choice)
         self.tokenizer = tokenizer
@@ -64,8 +74,15 @@ class OpenAIServing:
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ascq",
-                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "ascq",
+            "root": self.model_name,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+        }
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
@@ -77,7 +94,9 @@ class OpenAIServing:
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self._check_model(body.model)
         if body.messages is not None:
-            ids = self.prompter.render([m.as_template_dict() for m in body.messages], body.add_generation_prompt)
+            ids = self.prompter.render(
+                [m.as_template_dict() for m in body.messages], body.add_generation_prompt
+            )
         else:
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         result: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
@@ -105,8 +124,14 @@ class OpenAIServing:
         if body.stream:
             return _event_stream(self._completion_chunks(group, body, request_id), group)
         finals = await _final_outputs(group, request)
-        choices = [self._completion_choice(body, i, final, o) for i, final in enumerate(finals) for o in final.outputs]
-        response = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=_usage(finals))
+        choices = [
+            self._completion_choice(body, i, final, o)
+            for i, final in enumerate(finals)
+            for o in final.outputs
+        ]
+        response = CompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=_usage(finals)
+        )
         return JSONResponse(response.model_dump())
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -123,8 +148,11 @@ class OpenAIServing:
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         forced = forced_tool_structure(body, mode)
         if forced is not None and structured_outputs_of(body) is not None:
-            raise APIError(400, "tool_choice required / named cannot be combined with another structured-output "
-                                "constraint", param="tool_choice")
+            raise APIError(
+                400,
+                "tool_choice required / named cannot be combined with another structured-output constraint",
+                param="tool_choice",
+            )
         params = self._sampling_params(body, max_tokens, top_n, forced)
         group = await self._submit(random_id("chatcmpl"), [ids], params)
         if body.stream and mode is None:
@@ -133,16 +161,27 @@ class OpenAIServing:
             return _event_stream(self._chat_tool_chunks(group, body, top_n, mode), group)
         (final,) = await _final_outputs(group, request)
         choices = [self._chat_choice(o, body, top_n, mode) for o in final.outputs]
-        response = ChatCompletionResponse(id=group.request_ids[0], model=self.model_name, choices=choices,
-                                          usage=_usage([final]), prompt_logprobs=self.logprobs.prompt(final.prompt_logprobs))
+        response = ChatCompletionResponse(
+            id=group.request_ids[0],
+            model=self.model_name,
+            choices=choices,
+            usage=_usage([final]),
+            prompt_logprobs=self.logprobs.prompt(final.prompt_logprobs),
+        )
         return JSONResponse(response.model_dump())
 
-    def _chat_choice(self, o: Any, body: ChatCompletionRequest, top_n: int | None, mode: str | None) -> ChatChoice:
+    def _chat_choice(
+        self, o: Any, body: ChatCompletionRequest, top_n: int | None, mode: str | None
+    ) -> ChatChoice:
         content, calls = parse_tool_calls(o.text, body, mode)
         finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
-        return ChatChoice(index=o.index, message=AssistantMessage(content=content, tool_calls=calls),
-                          finish_reason=finish, stop_reason=o.stop_reason,
-                          logprobs=self.logprobs.chat(o.token_ids, o.logprobs, top_n))
+        return ChatChoice(
+            index=o.index,
+            message=AssistantMessage(content=content, tool_calls=calls),
+            finish_reason=finish,
+            stop_reason=o.stop_reason,
+            logprobs=self.logprobs.chat(o.token_ids, o.logprobs, top_n),
+        )
 
     def _completion_choice(self, body: CompletionRequest, i: int, final: Any, o: Any) -> CompletionChoice:
         text, logprobs = o.text, self.logprobs.completion(o.token_ids, o.logprobs, body.logprobs, 0)
@@ -150,12 +189,23 @@ class OpenAIServing:
             prompt_text = self._prompt_text(body, i, final)
             text = prompt_text + text
             if body.logprobs is not None:
-                echoed = self.logprobs.completion(final.prompt_token_ids, final.prompt_logprobs, body.logprobs, 0)
-                logprobs = self.logprobs.concat(echoed, self.logprobs.completion(
-                    o.token_ids, o.logprobs, body.logprobs, len(prompt_text)))
-        prompt_logprobs = self.logprobs.prompt(final.prompt_logprobs) if body.prompt_logprobs is not None else None
-        return CompletionChoice(index=i * body.n + o.index, text=text, finish_reason=o.finish_reason,
-                                stop_reason=o.stop_reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                echoed = self.logprobs.completion(
+                    final.prompt_token_ids, final.prompt_logprobs, body.logprobs, 0
+                )
+                logprobs = self.logprobs.concat(
+                    echoed, self.logprobs.completion(o.token_ids, o.logprobs, body.logprobs, len(prompt_text))
+                )
+        prompt_logprobs = (
+            self.logprobs.prompt(final.prompt_logprobs) if body.prompt_logprobs is not None else None
+        )
+        return CompletionChoice(
+            index=i * body.n + o.index,
+            text=text,
+            finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _prompt_text(self, body: CompletionRequest, i: int, output: Any) -> str:
         prompt = body.prompts()[i]
@@ -165,29 +215,48 @@ class OpenAIServing:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def _prompt_ids(self, prompt: str | list[int], index: int) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise APIError(400, f"prompt {index} is empty", param="prompt")
         if not all(0 <= t < self.vocab_size for t in ids):
-            raise APIError(400, f"prompt {index} has token ids outside [0, {self.vocab_size})", param="prompt")
+            raise APIError(
+                400, f"prompt {index} has token ids outside [0, {self.vocab_size})", param="prompt"
+            )
         return ids
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
         limit = self.max_model_len
         if max_tokens is None and num_prompt_tokens >= limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
-                                f"{num_prompt_tokens} tokens, which leaves no room to generate", param=param)
+            raise APIError(
+                400,
+                f"this model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens, which leaves no room to generate",
+                param=param,
+            )
         if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
-                                f"{num_prompt_tokens} tokens and max_tokens is {max_tokens} "
-                                f"({num_prompt_tokens + max_tokens} in total)", param="max_tokens")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens and max_tokens is {max_tokens} "
+                f"({num_prompt_tokens + max_tokens} in total)",
+                param="max_tokens",
+            )
 
-    def _sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
-                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        body: SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         structured = structured or structured_outputs_of(body)
         if structured is not None:
             try:
@@ -196,21 +265,35 @@ class OpenAIServing:
                 raise APIError(400, str(exc), code="structured_outputs_unavailable") from exc
         try:
             return SamplingParams(
-                n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=min(body.top_k or 0, self.vocab_size),
-                min_p=body.min_p or 0.0, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs, ignore_eos=body.ignore_eos,
-                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                n=body.n,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=min(body.top_k or 0, self.vocab_size),
+                min_p=body.min_p or 0.0,
+                seed=body.seed,
+                stop=body.stop,
+                stop_token_ids=body.stop_token_ids,
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                logprobs=logprobs,
+                ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None,
-                bad_words=body.bad_words, allowed_token_ids=body.allowed_token_ids,
+                bad_words=body.bad_words,
+                allowed_token_ids=body.allowed_token_ids,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens, prompt_logprobs=body.prompt_logprobs,
-                structured_outputs=structured)
+                skip_special_tokens=body.skip_special_tokens,
+                prompt_logprobs=body.prompt_logprobs,
+                structured_outputs=structured,
+            )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
-    async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestGroup:
+    async def _submit(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> RequestGroup:
         try:
             return await self.engine.submit(request_id, prompts, params)
         except ValueError as exc:
@@ -226,14 +309,36 @@ class OpenAIServing:
             if body.echo and (i, o.index) not in echoed:  # the prompt goes first, once per choice
                 echoed.add((i, o.index))
                 prompt_text = self._prompt_text(body, i, output)
-                prompt_logprobs = self.logprobs.completion(output.prompt_token_ids, output.prompt_logprobs,
-                                                           body.logprobs, 0)
-                yield _sse(CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
-                    index=i * body.n + o.index, text=prompt_text, logprobs=prompt_logprobs)]), include_usage)
-            chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
-                index=i * body.n + o.index, text=o.text[start[0]:], finish_reason=o.finish_reason,
-                stop_reason=o.stop_reason, logprobs=self.logprobs.completion(
-                    o.token_ids[start[1]:], (o.logprobs or [])[start[1]:], body.logprobs, start[0]))])
+                prompt_logprobs = self.logprobs.completion(
+                    output.prompt_token_ids, output.prompt_logprobs, body.logprobs, 0
+                )
+                yield _sse(
+                    CompletionResponse(
+                        id=request_id,
+                        model=self.model_name,
+                        choices=[
+                            CompletionChoice(
+                                index=i * body.n + o.index, text=prompt_text, logprobs=prompt_logprobs
+                            )
+                        ],
+                    ),
+                    include_usage,
+                )
+            chunk = CompletionResponse(
+                id=request_id,
+                model=self.model_name,
+                choices=[
+                    CompletionChoice(
+                        index=i * body.n + o.index,
+                        text=o.text[start[0] :],
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                        logprobs=self.logprobs.completion(
+                            o.token_ids[start[1] :], (o.logprobs or [])[start[1] :], body.logprobs, start[0]
+                        ),
+                    )
+                ],
+            )
             yield _sse(chunk, include_usage)
         if include_usage:
             usage = _usage([finals[i] for i in sorted(finals)])
@@ -243,40 +348,78 @@ class OpenAIServing:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return _sse(ChatCompletionChunk(id=group.request_ids[0], model=self.model_name, choices=choices,
-                                            usage=usage), include_usage)
+            return _sse(
+                ChatCompletionChunk(
+                    id=group.request_ids[0], model=self.model_name, choices=choices, usage=usage
+                ),
+                include_usage,
+            )
 
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
+        yield chunk(
+            [
+                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(body.n)
+            ]
+        )
         finals: dict[int, Any] = {}
         async for _, _, o, start in _deltas(group, finals):
-            logprobs = self.logprobs.chat(o.token_ids[start[1]:], (o.logprobs or [])[start[1]:], top_n)
-            yield chunk([ChatChunkChoice(index=o.index, delta=DeltaMessage(content=o.text[start[0]:]),
-                                         logprobs=logprobs, finish_reason=o.finish_reason)])
+            logprobs = self.logprobs.chat(o.token_ids[start[1] :], (o.logprobs or [])[start[1] :], top_n)
+            yield chunk(
+                [
+                    ChatChunkChoice(
+                        index=o.index,
+                        delta=DeltaMessage(content=o.text[start[0] :]),
+                        logprobs=logprobs,
+                        finish_reason=o.finish_reason,
+                    )
+                ]
+            )
         if include_usage:
             yield chunk([], _usage([finals[0]]))
 
-    async def _chat_tool_chunks(self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None,
-                                mode: str):
+    async def _chat_tool_chunks(
+        self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None, mode: str
+    ):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return _sse(ChatCompletionChunk(id=group.request_ids[0], model=self.model_name, choices=choices,
-                                            usage=usage), include_usage)
+            return _sse(
+                ChatCompletionChunk(
+                    id=group.request_ids[0], model=self.model_name, choices=choices, usage=usage
+                ),
+                include_usage,
+            )
 
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
+        yield chunk(
+            [
+                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(body.n)
+            ]
+        )
         final = await _collect(group)
         for o in final.outputs:
             choice = self._chat_choice(o, body, top_n, mode)
-            calls = [DeltaToolCall(index=k, id=c.id, function=c.function) for k, c in enumerate(choice.message.tool_calls)]
-            yield chunk([ChatChunkChoice(index=o.index, delta=DeltaMessage(content=choice.message.content,
-                                                                           tool_calls=calls or None),
-                                         logprobs=choice.logprobs, finish_reason=choice.finish_reason)])
+            calls = [
+                DeltaToolCall(index=k, id=c.id, function=c.function)
+                for k, c in enumerate(choice.message.tool_calls)
+            ]
+            yield chunk(
+                [
+                    ChatChunkChoice(
+                        index=o.index,
+                        delta=DeltaMessage(content=choice.message.content, tool_calls=calls or None),
+                        logprobs=choice.logprobs,
+                        finish_reason=choice.finish_reason,
+                    )
+                ]
+            )
         if include_usage:
             yield chunk([], _usage([final]))
 
 
 def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:
-    """The one structured-output constraint of a request, from response_format, structured_outputs or guided_*."""
+    """The one structured-output constraint of a request, from response_format, structured_outputs or
+    guided_*."""
     found: dict[str, dict[str, Any]] = {}
     if body.response_format is not None and body.response_format.type != "text":
         if body.response_format.type == "json_object":
@@ -285,12 +428,18 @@ def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | Non
             found["response_format"] = {"json": body.response_format.json_schema.schema_}
     if body.structured_outputs is not None:
         found["structured_outputs"] = body.structured_outputs.model_dump(exclude_none=True)
-    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                      ("guided_grammar", "grammar")):
+    for name, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
         if getattr(body, name) is not None:
             found[name] = {key: getattr(body, name)}
     if len(found) > 1:
-        raise APIError(400, f"give one structured-output constraint, got {', '.join(found)}", param=list(found)[1])
+        raise APIError(
+            400, f"give one structured-output constraint, got {', '.join(found)}", param=list(found)[1]
+        )
     if not found:
         return None
     name, fields = found.popitem()
@@ -327,11 +476,15 @@ def _event_stream(chunks: Any, group: RequestGroup) -> StreamingResponse:
         except APIError as exc:  # the engine failed or shut down mid-stream: tell the client in-band
             yield _sse_json(exc.to_json())
         finally:
-            group.abort()  # no-op when finished; frees the KV blocks when the client left or the task was cancelled
+            # a no-op when finished; frees the KV blocks when the client left or the task was cancelled
+            group.abort()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 def _sse(response: Any, include_usage: bool = True) -> str:
@@ -345,7 +498,9 @@ def _sse_json(data: dict[str, Any]) -> str:
 def _usage(finals: list[Any]) -> Usage:
     num_prompt = sum(len(final.prompt_token_ids) for final in finals)
     num_completion = sum(len(o.token_ids) for final in finals for o in final.outputs)
-    return Usage(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
+    return Usage(
+        prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion
+    )
 
 
 async def _final_outputs(group: RequestGroup, request: Request) -> list[Any]:

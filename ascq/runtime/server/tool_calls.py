@@ -1,14 +1,15 @@
 """Tool calling for chat: tools into the prompt, tool calls out of the text (the hermes format), as vLLM does.
 
-Prompt: a chat template that renders `tools` itself gets them as `apply_chat_template(tools=...)`. One that does not
-(SmolLM2's, most small models') gets the hermes system prompt below, which lists the tools as JSON inside
-<tools></tools> and asks for each call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; earlier
-assistant tool calls and tool results in the conversation are written back in the same tags.
+Prompt: a chat template that renders `tools` itself gets them as `apply_chat_template(tools=...)`. One that
+does not (SmolLM2's, most small models') gets the hermes system prompt below, which lists the tools as JSON
+inside <tools></tools> and asks for each call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+earlier assistant tool calls and tool results in the conversation are written back in the same tags.
 
 Output, by `tool_choice`:
-- "auto" (the default when tools are given): needs `--enable-auto-tool-choice --tool-call-parser hermes`, else 400.
-  The model decides; `<tool_call>` blocks become `tool_calls`, the rest stays `content`.
-- "required": structured outputs force a JSON array of one or more {"name", "arguments"} objects (one of the tools).
+- "auto" (the default when tools are given): needs `--enable-auto-tool-choice --tool-call-parser hermes`, else
+  400. The model decides; `<tool_call>` blocks become `tool_calls`, the rest stays `content`.
+- "required": structured outputs force a JSON array of one or more {"name", "arguments"} objects (one of the
+  tools).
 - {"type": "function", "function": {"name": X}}: structured outputs force X's `parameters` schema.
 - "none": tools are neither shown nor called.
 """
@@ -31,11 +32,14 @@ from ascq.runtime.server.protocol import (
 
 TOOL_CALL_PARSERS = ("hermes",)
 HERMES_SYSTEM_PROMPT = (
-    "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML "
-    "tags. You may call one or more functions to assist with the user query. Don't make assumptions about what "
-    "values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\nFor each function "
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
+    "XML "
+    "tags. You may call one or more functions to assist with the user query. Don't make assumptions about "
+    "what "
+    "values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\nFor each "
+    "function "
     "call return a json object with function name and arguments within <tool_call></tool_call> XML tags as "
-    "follows:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-dict>}}\n</tool_call>"
+    'follows:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>'
 )
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -49,9 +53,13 @@ def tool_mode(body: ChatCompletionRequest, enable_auto_tool_choice: bool) -> str
     if body.tool_choice == "required":
         return "required"
     if not enable_auto_tool_choice:
-        raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice '
-                            "--tool-call-parser hermes (or send tool_choice \"required\", \"none\" or a named "
-                            "function)", param="tool_choice")
+        raise APIError(
+            400,
+            '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+            '--tool-call-parser hermes (or send tool_choice "required", "none" or a named '
+            "function)",
+            param="tool_choice",
+        )
     return "auto"
 
 
@@ -66,8 +74,10 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]])
     for message in messages:
         message = dict(message)
         if message.get("tool_calls"):
-            calls = [f"<tool_call>\n{json.dumps(call_dict(c), ensure_ascii=False)}\n</tool_call>"
-                     for c in message.pop("tool_calls")]
+            calls = [
+                f"<tool_call>\n{json.dumps(call_dict(c), ensure_ascii=False)}\n</tool_call>"
+                for c in message.pop("tool_calls")
+            ]
             message["content"] = "\n".join(filter(None, [message.get("content") or "", *calls]))
         if message["role"] == "tool":
             message = {"role": "tool", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
@@ -95,9 +105,18 @@ def forced_tool_structure(body: ChatCompletionRequest, mode: str | None) -> Stru
         function = next(t.function for t in body.tools if t.function.name == name)
         return StructuredOutputsParams(json=function.parameters or {"type": "object"})
     if mode == "required":
-        variants = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                      "arguments": t.function.parameters or {"type": "object"}},
-                     "required": ["name", "arguments"], "additionalProperties": False} for t in body.tools]
+        variants = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "arguments": t.function.parameters or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in body.tools
+        ]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
         if body.parallel_tool_calls is False:
             schema["maxItems"] = 1
@@ -110,7 +129,9 @@ def new_call(name: str, arguments: Any) -> ToolCall:
     return ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=text))
 
 
-def parse_tool_calls(text: str, body: ChatCompletionRequest, mode: str | None) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(
+    text: str, body: ChatCompletionRequest, mode: str | None
+) -> tuple[str | None, list[ToolCall]]:
     """(content, tool calls) of one generated message."""
     if mode is None:
         return text, []
@@ -126,8 +147,8 @@ def parse_tool_calls(text: str, body: ChatCompletionRequest, mode: str | None) -
 
 
 def parse_hermes(text: str, names: set[str], parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
-    """`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks -> tool calls; anything else is content.
-    A block that is not valid JSON naming one of the tools stays in the content."""
+    """`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks -> tool calls; anything else is
+    content. A block that is not valid JSON naming one of the tools stays in the content."""
     calls, spans = [], []
     for match in TOOL_CALL_RE.finditer(text):
         try:

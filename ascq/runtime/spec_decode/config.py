@@ -29,12 +29,18 @@ class SpeculativeConfig:
         if self.method is None:  # vLLM: a draft `model` without a method is a draft model
             self.method = "draft_model" if self.model is not None else None
         if self.method in NOT_SUPPORTED_METHODS:
-            raise UnsupportedError(f"speculative method {self.method!r} is not supported; supported: {', '.join(METHODS)}")
+            raise UnsupportedError(
+                f"speculative method {self.method!r} is not supported; supported: {', '.join(METHODS)}"
+            )
         if self.method not in METHODS:
-            raise AscqError(f"speculative_config needs a method, one of: {', '.join(METHODS)} (got {self.method!r})")
+            raise AscqError(
+                f"speculative_config needs a method, one of: {', '.join(METHODS)} (got {self.method!r})"
+            )
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise AscqError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
+            raise AscqError(
+                f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}"
+            )
         if self.method == "ngram":
             self._check_ngram()
         else:
@@ -61,21 +67,26 @@ class SpeculativeConfig:
 
     def _check_draft_model(self) -> None:
         if self.model is None:
-            raise AscqError("speculative_config: method 'draft_model' needs a draft 'model' (a zoo entry or folder)")
+            raise AscqError(
+                "speculative_config: method 'draft_model' needs a draft 'model' (a zoo entry or folder)"
+            )
         if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
             raise AscqError("speculative_config: prompt_lookup_max/min only apply to method 'ngram'")
         if self.draft_tensor_parallel_size not in (None, 1):
             raise UnsupportedError("speculative_config draft_tensor_parallel_size must be 1")
         if self.quantization is not None:
             raise UnsupportedError(
-                "speculative_config quantization is not supported; use a quantized zoo entry as the draft model"
+                "speculative_config quantization is not supported; use a quantized zoo entry as the draft "
+                "model"
             )
         from ascq.formats.manifest import resolve_entry
 
         self.model = resolve_entry(str(self.model))
 
 
-def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+def parse_speculative_config(
+    value: SpeculativeConfig | dict[str, Any] | str | None,
+) -> SpeculativeConfig | None:
     """A dict or its JSON text (the CLI's `--speculative-config`) -> validated config; None stays None."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
@@ -83,11 +94,15 @@ def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | N
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise AscqError(f"--speculative-config is not valid JSON: {exc.msg} (at character {exc.pos})") from exc
+            raise AscqError(
+                f"--speculative-config is not valid JSON: {exc.msg} (at character {exc.pos})"
+            ) from exc
     if not isinstance(value, dict):
         raise AscqError("speculative_config must be a JSON object / dict")
     known = {f.name for f in fields(SpeculativeConfig)}
     unknown = sorted(set(value) - known)
     if unknown:
-        raise AscqError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise AscqError(
+            f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
     return SpeculativeConfig(**value)

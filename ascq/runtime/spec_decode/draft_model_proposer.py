@@ -1,12 +1,13 @@
-"""Draft-model proposer: a smaller (or quantized) model with the target's vocabulary drafts k tokens per sequence.
+"""Draft-model proposer: a smaller (or quantized) model with the target's vocabulary drafts k tokens per
+sequence.
 
-The draft keeps its own paged KV cache, block manager and block tables, one `DraftSequence` per target request.
-Before drafting, each draft sequence is synced to its request: KV stays valid for the longest common prefix of the
-tokens the draft ran and the request's tokens (accepted proposals keep theirs), everything after is rolled back
-and its blocks freed. Then k batched steps: the first runs the request's not-yet-seen tokens (the whole prompt the
-first time), each later one the previous draft token. Random-sampling requests draw from the draft's
-`sampling_probs` (the same temperature/top-k/top-p as the target) and hand that distribution to the rejection
-sampler; greedy ones take its argmax.
+The draft keeps its own paged KV cache, block manager and block tables, one `DraftSequence` per target
+request. Before drafting, each draft sequence is synced to its request: KV stays valid for the longest common
+prefix of the tokens the draft ran and the request's tokens (accepted proposals keep theirs), everything after
+is rolled back and its blocks freed. Then k batched steps: the first runs the request's not-yet-seen tokens
+(the whole prompt the first time), each later one the previous draft token. Random-sampling requests draw from
+the draft's `sampling_probs` (the same temperature/top-k/top-p as the target) and hand that distribution to
+the rejection sampler; greedy ones take its argmax.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class DraftSequence:
         self.num_computed_tokens = min(self.num_computed_tokens, n, len(token_ids) - 1)
 
 
-def check_same_vocabulary(draft_dir: Path, draft_config: dict[str, Any], target_config: dict[str, Any],
-                          target_tokenizer: Any) -> None:
+def check_same_vocabulary(
+    draft_dir: Path, draft_config: dict[str, Any], target_config: dict[str, Any], target_tokenizer: Any
+) -> None:
     """The draft must tokenize exactly like the target: same vocab size, and the same vocabulary when both
     have one."""
     draft_vocab, target_vocab = int(draft_config["vocab_size"]), int(target_config["vocab_size"])
@@ -61,7 +63,9 @@ def check_same_vocabulary(draft_dir: Path, draft_config: dict[str, Any], target_
             f"draft model {draft_dir} has a vocabulary of {draft_vocab} tokens, the target {target_vocab}: "
             "the draft must use the target's tokenizer"
         )
-    has_tokenizer = any((draft_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+    has_tokenizer = any(
+        (draft_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    )
     if not has_tokenizer or not hasattr(target_tokenizer, "get_vocab"):
         return
     from ascq.runtime.worker.loader import load_tokenizer
@@ -71,7 +75,8 @@ def check_same_vocabulary(draft_dir: Path, draft_config: dict[str, Any], target_
     if draft_tokens != target_tokens:
         differing = len(set(draft_tokens.items()) ^ set(target_tokens.items()))
         raise AscqError(
-            f"draft model {draft_dir} has a different tokenizer than the target ({differing} vocabulary entries "
+            f"draft model {draft_dir} has a different tokenizer than the target ({differing} vocabulary "
+            f"entries "
             "differ): the draft must use the target's tokenizer"
         )
 
@@ -107,8 +112,11 @@ class DraftModelProposer:
         if sequence is not None:
             self.block_manager.free(sequence)
 
-    def propose(self, requests: list[Request], max_tokens: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """(up to min(k, max_tokens[i]) drafted tokens, the draft distributions [n, V] for random requests)."""
+    def propose(
+        self, requests: list[Request], max_tokens: list[int]
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """(up to min(k, max_tokens[i]) drafted tokens, the draft distributions [n, V] for random
+        requests)."""
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         limits = [min(self.k, m) for m in max_tokens]
@@ -127,8 +135,13 @@ class DraftModelProposer:
         ]
 
     @torch.inference_mode()
-    def _draft_step(self, requests: list[Request], active: list[int], drafts: list[list[int]],
-                    probs: list[list[torch.Tensor]]) -> list[int]:
+    def _draft_step(
+        self,
+        requests: list[Request],
+        active: list[int],
+        drafts: list[list[int]],
+        probs: list[list[torch.Tensor]],
+    ) -> list[int]:
         """One batched draft forward for the active requests; returns those that got a token."""
         out = SchedulerOutput()
         stepped = []
@@ -150,7 +163,9 @@ class DraftModelProposer:
             q = sampling_probs(logits[random_rows], [params[j] for j in random_rows])
             for row, j in enumerate(random_rows):
                 request = requests[stepped[j]]
-                token_ids[j] = int(torch.multinomial(q[row], 1, generator=request.generator or self.generator))
+                token_ids[j] = int(
+                    torch.multinomial(q[row], 1, generator=request.generator or self.generator)
+                )
                 probs[stepped[j]].append(q[row])
         for j, i in enumerate(stepped):
             sequence = out.requests[j]

@@ -1,6 +1,6 @@
 """Prompt-lookup proposer (vLLM's `ngram`): find the longest suffix of the sequence (prompt + output), between
-prompt_lookup_min and prompt_lookup_max tokens, that occurred earlier, and propose the tokens that followed its most
-recent earlier occurrence."""
+prompt_lookup_min and prompt_lookup_max tokens, that occurred earlier, and propose the tokens that followed
+its most recent earlier occurrence."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[
     tokens = np.asarray(token_ids, dtype=np.int64)
     total = len(tokens)
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = tokens[total - n:]
-        windows = sliding_window_view(tokens[:total - 1], n)  # windows starting before the suffix itself
+        suffix = tokens[total - n :]
+        windows = sliding_window_view(tokens[: total - 1], n)  # windows starting before the suffix itself
         starts = np.flatnonzero((windows == suffix).all(axis=1))
         if len(starts):
             follow = int(starts[-1]) + n
-            return tokens[follow:follow + k].tolist()
+            return tokens[follow : follow + k].tolist()
     return []
 
 

@@ -1,5 +1,6 @@
-"""Speculative decoding as the engine sees it: verify last step's proposals against this step's logits, roll back
-what was rejected, propose the next tokens, and count drafts for the stats (vLLM's spec-decode metrics)."""
+"""Speculative decoding as the engine sees it: verify last step's proposals against this step's logits, roll
+back what was rejected, propose the next tokens, and count drafts for the stats (vLLM's spec-decode
+metrics)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,13 @@ class Speculator:
         self.rejection_sampler = RejectionSampler(sampler)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
-    def verify(self, logits: torch.Tensor, sampling: list[Request], spec_token_ids: list[list[int]],
-               sample: Callable[[torch.Tensor, list[Request]], list[Any]]) -> list[list[Any]]:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        sampling: list[Request],
+        spec_token_ids: list[list[int]],
+        sample: Callable[[torch.Tensor, list[Request]], list[Any]],
+    ) -> list[list[Any]]:
         """Tokens per sampled request: `sample`'s one for requests without proposals, the rejection sampler's
         accepted run + one for the others. `spec_token_ids[i]` are sampling[i]'s proposals."""
         starts = [0]
@@ -36,9 +42,13 @@ class Speculator:
         if verified:
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in verified]).to(logits.device)
             requests = [sampling[i] for i in verified]
-            probs = [r.spec_token_probs[: len(spec_token_ids[i])] if r.spec_token_probs is not None else None
-                     for i, r in zip(verified, requests, strict=True)]
-            accepted = self.rejection_sampler(logits[rows], requests, [spec_token_ids[i] for i in verified], probs)
+            probs = [
+                r.spec_token_probs[: len(spec_token_ids[i])] if r.spec_token_probs is not None else None
+                for i, r in zip(verified, requests, strict=True)
+            ]
+            accepted = self.rejection_sampler(
+                logits[rows], requests, [spec_token_ids[i] for i in verified], probs
+            )
             for i, tokens in zip(verified, accepted, strict=True):
                 results[i] = tokens
                 self.num_drafts += 1
@@ -51,7 +61,9 @@ class Speculator:
         within max_tokens and max_model_len."""
         if not running:
             return
-        room = [min(r.params.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens) - 1 for r in running]
+        room = [
+            min(r.params.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens) - 1 for r in running
+        ]
         for request, (tokens, probs) in zip(running, self.proposer.propose(running, room), strict=True):
             request.spec_token_ids, request.spec_token_probs = tokens, probs
 

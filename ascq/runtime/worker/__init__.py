@@ -1,1 +1,2 @@
-"""The worker: loads the model, allocates the KV cache, runs forward steps (eager, fused decode, graphs) and samples."""
+"""The worker: loads the model, allocates the KV cache, runs forward steps (eager, fused decode, graphs)
+and samples."""

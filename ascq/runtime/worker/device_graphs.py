@@ -1,32 +1,33 @@
 """Device graphs (`enforce_eager=False` on the cuda and npu backends): pure decode steps replayed from graphs
 captured at startup per batch-size bucket, piecewise as vLLM's CUDA graphs and vllm-ascend's ACL graphs.
 
-Pieces: attention (KV-cache write + paged attention) runs eagerly between captured pieces: the npu op takes host
-lists of sequence lengths and the cuda decode path reads seq_lens.max() on the host, so neither can be captured.
-Everything between two attentions is one graph: [embedding, rotary factors, layer 0's input norm, q/k/v projection,
-rotary], [layer i's o_proj, post-attention norm, MLP, layer i+1's input norm, q/k/v, rotary], ..., [the last
-layer's o_proj, norm, MLP, final norm]. MoE blocks run eagerly too (logged at startup): routed experts group tokens
-by expert with host-side counts (kernels/moe.py's bincount(...).tolist(); the npu kernel's bincount sizes its
-output from the data), so the graph boundary moves around them and the dense layers stay captured.
+Pieces: attention (KV-cache write + paged attention) runs eagerly between captured pieces: the npu op takes
+host lists of sequence lengths and the cuda decode path reads seq_lens.max() on the host, so neither can be
+captured. Everything between two attentions is one graph: [embedding, rotary factors, layer 0's input norm,
+q/k/v projection, rotary], [layer i's o_proj, post-attention norm, MLP, layer i+1's input norm, q/k/v,
+rotary], ..., [the last layer's o_proj, norm, MLP, final norm]. MoE blocks run eagerly too (logged at
+startup): routed experts group tokens by expert with host-side counts (kernels/moe.py's
+bincount(...).tolist(); the npu kernel's bincount sizes its output from the data), so the graph boundary moves
+around them and the dense layers stay captured.
 
 Batch sizes: capture sizes 1, 2, 4, ... up to min(max_num_seqs, MAX_CAPTURE_SIZE) (and that size); a step of n
 sequences replays the smallest size >= n, its inputs padded (padded rows keep earlier steps' token ids and
-positions, so they stay in range; their rows are sliced away before attention and from the result). Larger decode
-steps, prefill and mixed steps run eagerly.
+positions, so they stay in range; their rows are sliced away before attention and from the result). Larger
+decode steps, prefill and mixed steps run eagerly.
 
-Memory: per size, static input buffers (token ids, positions), each eager piece's output buffer and every captured
-piece's outputs stay alive; temporaries share one pool (`graph_pool_handle()`), largest size captured first.
-Capture: a piece runs once eagerly (warm-up), is captured, then replayed once: a capture does not execute on the
-device, and the eager attention after it must see real q/k/v (the dummy step writes slot 0 of block 0 of each
-layer's cache, which has to stay finite).
+Memory: per size, static input buffers (token ids, positions), each eager piece's output buffer and every
+captured piece's outputs stay alive; temporaries share one pool (`graph_pool_handle()`), largest size captured
+first. Capture: a piece runs once eagerly (warm-up), is captured, then replayed once: a capture does not
+execute on the device, and the eager attention after it must see real q/k/v (the dummy step writes slot 0 of
+block 0 of each layer's cache, which has to stay finite).
 
 Graph API by kernel backend: torch.cuda.{CUDAGraph, graph, graph_pool_handle, synchronize} or torch_npu's
 torch.npu.{NPUGraph, graph, graph_pool_handle, synchronize} (ACL graphs, which mirror CUDA's).
 
-Executed in the test suite: the npu path on the CPU torch_npu emulator, whose graph API records a capture's aten
-ops, refuses host reads and replays the recorded ops on the static buffers (tests/npu_emulation/graphs.py). Not
-executed here: CUDA graphs on a GPU (`benchmarks/cuda_check.py` compares greedy tokens when one is lent) and ACL
-graphs on Ascend hardware.
+Executed in the test suite: the npu path on the CPU torch_npu emulator, whose graph API records a capture's
+aten ops, refuses host reads and replays the recorded ops on the static buffers
+(tests/npu_emulation/graphs.py). Not executed here: CUDA graphs on a GPU (`benchmarks/cuda_check.py` compares
+greedy tokens when one is lent) and ACL graphs on Ascend hardware.
 """
 
 from __future__ import annotations
@@ -65,12 +66,13 @@ class GraphApi:
 
 
 def graph_api(backend: str) -> GraphApi:
-    """The platform's graph API: torch.cuda's or torch.npu's (torch.npu exists once torch_npu is imported: the npu
-    kernels do)."""
+    """The platform's graph API: torch.cuda's or torch.npu's (torch.npu exists once torch_npu is imported: the
+    npu kernels do)."""
     platform = platform_for(backend)
     module = platform.torch_module()
-    return GraphApi(getattr(module, platform.graph_class), module.graph, module.graph_pool_handle,
-                    module.synchronize)
+    return GraphApi(
+        getattr(module, platform.graph_class), module.graph, module.graph_pool_handle, module.synchronize
+    )
 
 
 def captures_graphs(backend: str | None) -> bool:
@@ -79,7 +81,8 @@ def captures_graphs(backend: str | None) -> bool:
 
 
 def kernel_backend(model: nn.Module) -> str | None:
-    """The kernel backend the model was finalized with (`ascq.kernels.<name>`), read from its attention layers."""
+    """The kernel backend the model was finalized with (`ascq.kernels.<name>`), read from its attention
+    layers."""
     backend = next((m.backend for m in model.modules() if isinstance(m, Attention)), None)
     return None if backend is None else backend.__name__.rsplit(".", 1)[-1]
 
@@ -100,8 +103,8 @@ def unsupported_reason(model: nn.Module, backend: str | None) -> str | None:
 
 @dataclass
 class Stage:
-    """A part of a decode step: `run(state, meta)` returns the entries it sets. Eager stages run between graphs on
-    the step's real rows: `reads` names the entries they take."""
+    """A part of a decode step: `run(state, meta)` returns the entries it sets. Eager stages run between
+    graphs on the step's real rows: `reads` names the entries they take."""
 
     run: Callable[[State, AttentionMetadata], State]
     eager: bool = False
@@ -127,12 +130,17 @@ def layer_stages(layer: DecoderLayer, moe_eager: bool) -> list[Stage]:
     def mlp(s: State, meta: AttentionMetadata) -> State:
         return {"x": layer.mlp(s["x"])}
 
-    return [Stage(pre), Stage(attention, eager=True, reads=("q", "k", "v")), Stage(post),
-            Stage(mlp, eager=moe_eager, reads=("x",))]
+    return [
+        Stage(pre),
+        Stage(attention, eager=True, reads=("q", "k", "v")),
+        Stage(post),
+        Stage(mlp, eager=moe_eager, reads=("x",)),
+    ]
 
 
 def decode_stages(decoder: DecoderModel) -> list[Stage]:
     """A pure decode step of `DecoderModel.forward`, as stages."""
+
     def embed(s: State, meta: AttentionMetadata) -> State:
         x, cos_sin = decoder.embed(s["input_ids"], s["positions"])
         return {"x": x, "cos_sin": cos_sin, "residual": None}
@@ -155,7 +163,8 @@ def run_stages(stages: list[Stage], state: State, meta: AttentionMetadata) -> St
 
 @dataclass
 class Piece:
-    """A captured graph, or an eager stage with the static tensors it reads and the buffers its outputs go to."""
+    """A captured graph, or an eager stage with the static tensors it reads and the buffers its outputs go
+    to."""
 
     graph: Any = None
     stage: Stage | None = None
@@ -183,7 +192,8 @@ class CapturedStep:
 
 
 class DeviceGraphs:
-    """The decoder's pure decode steps as captured pieces per batch size (`capture` at startup, `run` per step)."""
+    """The decoder's pure decode steps as captured pieces per batch size (`capture` at startup, `run` per
+    step)."""
 
     def __init__(self, model: nn.Module, backend: str) -> None:
         self.decoder: DecoderModel = model.model
@@ -195,14 +205,21 @@ class DeviceGraphs:
 
     @torch.inference_mode()
     def capture(self, max_num_seqs: int, device: torch.device) -> None:
-        """Capture every size's pieces with a dummy decode step (block 0, slot 0 of each cache), largest first."""
+        """Capture every size's pieces with a dummy decode step (block 0, slot 0 of each cache), largest
+        first."""
         sizes = capture_sizes(max_num_seqs, MAX_CAPTURE_SIZE)
-        logger.info("capturing decode graphs (%s) for batch sizes %s; --enforce-eager skips it",
-                    platform_for(self.backend).graph_class, sizes)
+        logger.info(
+            "capturing decode graphs (%s) for batch sizes %s; --enforce-eager skips it",
+            platform_for(self.backend).graph_class,
+            sizes,
+        )
         moe_layers = [i for i, layer in enumerate(self.decoder.layers) if is_moe(layer)]
         if moe_layers:
-            logger.info("decode graphs: the MoE blocks of layers %s run eagerly between graphs (%s)",
-                        moe_layers, MOE_EAGER_REASON)
+            logger.info(
+                "decode graphs: the MoE blocks of layers %s run eagerly between graphs (%s)",
+                moe_layers,
+                MOE_EAGER_REASON,
+            )
         start = time.perf_counter()
         self.pool = self.api.pool_handle()
         captured = {}
@@ -242,9 +259,11 @@ class DeviceGraphs:
                 groups[-1][1].append(stage)
         return groups
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Final hidden states [n, hidden] of a pure decode step of n sequences (a view of a static buffer, valid
-        until the next step), or None when n is past the largest capture size."""
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """Final hidden states [n, hidden] of a pure decode step of n sequences (a view of a static buffer,
+        valid until the next step), or None when n is past the largest capture size."""
         num_rows = input_ids.shape[0]
         step = self.steps.get(num_rows)
         if step is None:

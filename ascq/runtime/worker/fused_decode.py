@@ -1,16 +1,18 @@
-"""Fused decode (CPU): a pure decode step's whole Llama decoder stack in one native call (ascq/kernels/fused_decode.c).
+"""Fused decode (CPU): a pure decode step's whole Llama decoder stack in one native call
+(ascq/kernels/fused_decode.c).
 
-Why: at batch 1 an eager layer of a small model is a few dozen torch ops and native calls from Python, which cost
-several times what streaming its int4 weights costs; in one call the step's layers cost what their kernels cost
-(measurements: docs/benchmarks.md). The C code runs the
-eager path's kernels and rounds to bf16 where eager does, so tokens are the eager path's (tests/test_fused_decode.py).
+Why: at batch 1 an eager layer of a small model is a few dozen torch ops and native calls from Python, which
+cost several times what streaming its int4 weights costs; in one call the step's layers cost what their
+kernels cost (measurements: docs/benchmarks.md). The C code runs the eager path's kernels and rounds to bf16
+where eager does, so tokens are the eager path's (tests/test_fused_decode.py).
 
 Used for a step when all of these hold, else the step runs eagerly, unchanged:
-- the model: `DecoderModel` of `DecoderLayer`s with `LlamaMLP` (Llama, Mistral, Qwen2), one rank, the cpu backend
-  with its native library, bf16 activations and KV cache, every linear on the native weight-only kernel (W4A16 /
-  W8A16) or the native bf16 kernel (dense bf16);
+- the model: `DecoderModel` of `DecoderLayer`s with `LlamaMLP` (Llama, Mistral, Qwen2), one rank, the cpu
+  backend with its native library, bf16 activations and KV cache, every linear on the native weight-only
+  kernel (W4A16 / W8A16) or the native bf16 kernel (dense bf16);
 - the step: one token per sequence (`max_query_len == 1`: no prefill, no speculative verification), fewer rows
-  than the linears' native-kernel thresholds (`cpu.DENSE_BF16_MAX_M` with dense layers, else `cpu.native_max_m()`).
+  than the linears' native-kernel thresholds (`cpu.DENSE_BF16_MAX_M` with dense layers, else
+  `cpu.native_max_m()`).
 On by default in eager mode (`enforce_eager=True`, the CPU default); `ASCQ_FUSED_DECODE=0` (or
 `ASCQ_NATIVE_KERNELS=0`) turns it off, and with decode graphs (`--no-enforce-eager`) the graphs run instead.
 """
@@ -59,7 +61,10 @@ def _linear_reason(linear: LinearBase) -> str | None:
         return None
     if p.kernel == "native":
         return None
-    return f"a linear runs on the {p.kernel!r} kernel (fused decode takes native weight-only and dense bf16 linears)"
+    return (
+        f"a linear runs on the {p.kernel!r} kernel (fused decode takes native weight-only and dense bf16 "
+        f"linears)"
+    )
 
 
 def _linear_struct(linear: LinearBase) -> tuple[_Linear, int]:
@@ -71,15 +76,22 @@ def _linear_struct(linear: LinearBase) -> tuple[_Linear, int]:
         return _Linear(0, n, k, 0, 0, 0, p.weight.data_ptr(), None, None, bias), cpu.DENSE_BF16_MAX_M - 1
     w = p.packed
     scales, scales_bf16, zeros, zeros_kind = native.qparam_args(w.scales, w.zeros)
-    return (_Linear(w.bits, w.n, w.k, w.group_size, scales_bf16, zeros_kind, w.data.data_ptr(), scales, zeros, bias),
-            cpu.native_max_m() - 1)
+    return (
+        _Linear(
+            w.bits, w.n, w.k, w.group_size, scales_bf16, zeros_kind, w.data.data_ptr(), scales, zeros, bias
+        ),
+        cpu.native_max_m() - 1,
+    )
 
 
 def unsupported_reason(model: DecoderModel) -> str | None:
     """Why `model` cannot run fused decode steps, or None."""
     if native.load() is None:
         return "no native kernel library"
-    if model.embed_tokens.weight.dtype != torch.bfloat16 or not platform_for(model.embed_tokens.weight.device).is_cpu:
+    if (
+        model.embed_tokens.weight.dtype != torch.bfloat16
+        or not platform_for(model.embed_tokens.weight.device).is_cpu
+    ):
         return "activations are not bf16 on the CPU"
     if getattr(model.embed_tokens, "tp_size", 1) != 1:
         return "tensor parallel"
@@ -87,7 +99,9 @@ def unsupported_reason(model: DecoderModel) -> str | None:
         return "no layers"
     for layer in model.layers:
         if type(layer) is not DecoderLayer or type(layer.mlp) is not LlamaMLP:
-            return f"{type(layer).__name__} / {type(getattr(layer, 'mlp', None)).__name__} is not a Llama layer"
+            return (
+                f"{type(layer).__name__} / {type(getattr(layer, 'mlp', None)).__name__} is not a Llama layer"
+            )
         attn = layer.self_attn
         for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             reason = _linear_reason(linear)
@@ -110,13 +124,16 @@ class _Plan:
 
 
 class FusedDecode:
-    """`DecoderModel.fused_decode`: runs a step's layers in one native call, or returns None (the step runs eagerly)."""
+    """`DecoderModel.fused_decode`: runs a step's layers in one native call, or returns None (the step runs
+    eagerly)."""
 
     def __init__(self, model: DecoderModel) -> None:
         self.model = model
         self.silu = silu_table()
         self.plan: _Plan | None = None
-        self.attentions = [layer.self_attn.attn for layer in model.layers]  # looked up once: Module.__getattr__ is slow
+        self.attentions = [
+            layer.self_attn.attn for layer in model.layers
+        ]  # looked up once: Module.__getattr__ is slow
 
     def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(a.k_cache, a.v_cache) for a in self.attentions]
@@ -127,8 +144,12 @@ class FusedDecode:
         max_rows = cpu.native_max_m()
         for layer, s in zip(layers, structs, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                                 ("down", mlp.down_proj)):
+            for name, linear in (
+                ("qkv", attn.qkv_proj),
+                ("o", attn.o_proj),
+                ("gate_up", mlp.gate_up_proj),
+                ("down", mlp.down_proj),
+            ):
                 struct, rows = _linear_struct(linear)
                 setattr(s, name, struct)
                 max_rows = min(max_rows, rows)
@@ -139,22 +160,35 @@ class FusedDecode:
         k_cache = first.attn.k_cache
         mlp = layers[0].mlp
         model = _Model(
-            len(layers), self.model.embed_tokens.weight.shape[1], first.num_heads, first.num_kv_heads, first.head_dim,
-            mlp.down_proj.prepared.weights.in_features, k_cache.shape[1], k_cache.shape[0],
-            layers[0].input_layernorm.eps, first.attn.scale, self.silu.data_ptr(),
-            ctypes.cast(structs, ctypes.POINTER(_Layer)), self.model.norm.weight.data_ptr(),
+            len(layers),
+            self.model.embed_tokens.weight.shape[1],
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            mlp.down_proj.prepared.weights.in_features,
+            k_cache.shape[1],
+            k_cache.shape[0],
+            layers[0].input_layernorm.eps,
+            first.attn.scale,
+            self.silu.data_ptr(),
+            ctypes.cast(structs, ctypes.POINTER(_Layer)),
+            self.model.norm.weight.data_ptr(),
         )
         return _Plan(model, structs, self._caches(), max_rows)
 
     def __call__(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
     ) -> torch.Tensor | None:
-        """x: the step's embeddings [T, hidden] -> the final hidden states (after the model's norm), or None where
-        not applicable."""
+        """x: the step's embeddings [T, hidden] -> the final hidden states (after the model's norm), or None
+        where not applicable."""
         if meta.max_query_len != 1 or x.dtype != torch.bfloat16:
             return None
-        if self.plan is None or any(a is not k or b is not v for (a, b), (k, v) in zip(self.plan.caches, self._caches(),
-                                                                                      strict=True)):
+        if self.plan is None or any(
+            a is not k or b is not v for (a, b), (k, v) in zip(self.plan.caches, self._caches(), strict=True)
+        ):
             self.plan = self._build()
         num_rows = x.shape[0]
         if not 0 < num_rows <= self.plan.max_rows:
@@ -166,8 +200,16 @@ class FusedDecode:
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.seq_lens.to(torch.int32).contiguous()
         status = native.load().ascq_fused_decode(
-            ctypes.byref(self.plan.struct), x.data_ptr(), residual.data_ptr(), num_rows, slots.data_ptr(),
-            tables.data_ptr(), tables.shape[1], lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            ctypes.byref(self.plan.struct),
+            x.data_ptr(),
+            residual.data_ptr(),
+            num_rows,
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
             torch.get_num_threads(),
         )
         if status != 0:

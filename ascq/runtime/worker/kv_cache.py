@@ -1,6 +1,6 @@
-"""Paged KV cache sizing and allocation: one [num_blocks, block_size, num_kv_heads, head_dim] tensor per K and V
-per layer. An fp8 cache (e4m3) stores x / scale with the checkpoint's per-layer k/v scales, so the same memory
-holds twice the blocks of a bf16 cache (four times those of fp32)."""
+"""Paged KV cache sizing and allocation: one [num_blocks, block_size, num_kv_heads, head_dim] tensor per K and
+V per layer. An fp8 cache (e4m3) stores x / scale with the checkpoint's per-layer k/v scales, so the same
+memory holds twice the blocks of a bf16 cache (four times those of fp32)."""
 
 from __future__ import annotations
 
@@ -44,5 +44,7 @@ def allocate_kv_cache(
 def num_blocks_for(memory_bytes: int, block_bytes: int, override: int | None) -> int:
     num_blocks = override if override is not None else memory_bytes // block_bytes
     if num_blocks < 1:
-        raise AscqError(f"kv_cache_memory {memory_bytes} bytes holds no KV block (one block needs {block_bytes} bytes)")
+        raise AscqError(
+            f"kv_cache_memory {memory_bytes} bytes holds no KV block (one block needs {block_bytes} bytes)"
+        )
     return num_blocks

@@ -1,10 +1,10 @@
 """Checkpoint loader: unquantized HF checkpoints and compressed-tensors zoo entries -> a runtime model.
 
 Supported compressed-tensors formats: `int-quantized` (int8 weights, W8A8 static/dynamic) and `pack-quantized`
-(int4/int8 packed in int32: W4A16 sym/asym, W8A16, W4A8), plus `kv_cache_scheme` (fp8 k/v scales). Which linear
-gets which scheme and how its tensors unpack is `ascq.formats.compressed_tensors`. The model is built on the meta
-device; tensors are read memory-mapped (`ascq.formats.safetensors.CheckpointReader`) and handed to the layers'
-weight loaders.
+(int4/int8 packed in int32: W4A16 sym/asym, W8A16, W4A8), plus `kv_cache_scheme` (fp8 k/v scales). Which
+linear gets which scheme and how its tensors unpack is `ascq.formats.compressed_tensors`. The model is built
+on the meta device; tensors are read memory-mapped (`ascq.formats.safetensors.CheckpointReader`) and handed to
+the layers' weight loaders.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from ascq.kernels import torch_device as backend_torch_device
 from ascq.runtime.models import model_class_for
 from ascq.runtime.models.weights import finalize_model
 
-SUPPORTED_SCHEMES = "W8A8 (int8 static or dynamic per-token), W4A16, W8A16 (per-channel or group), W4A8 (dynamic)"
+SUPPORTED_SCHEMES = (
+    "W8A8 (int8 static or dynamic per-token), W4A16, W8A16 (per-channel or group), W4A8 (dynamic)"
+)
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -37,15 +39,29 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 def served_scheme_name(scheme: Any) -> str:
     """compressed-tensors QuantizationScheme -> the kernels' scheme name, rejecting what no backend serves."""
     weights, acts = scheme.weights, scheme.input_activations
-    if weights is None or weights.type != "int" or weights.num_bits not in (4, 8) or scheme.output_activations:
-        raise UnsupportedError(f"quantization scheme {scheme.model_dump_json()} is not supported; supported: {SUPPORTED_SCHEMES}")
+    if (
+        weights is None
+        or weights.type != "int"
+        or weights.num_bits not in (4, 8)
+        or scheme.output_activations
+    ):
+        raise UnsupportedError(
+            f"quantization scheme {scheme.model_dump_json()} is not supported; supported: {SUPPORTED_SCHEMES}"
+        )
     if weights.strategy not in ("channel", "group"):
-        raise UnsupportedError(f"weight strategy {weights.strategy!r} is not supported; supported: channel, group")
+        raise UnsupportedError(
+            f"weight strategy {weights.strategy!r} is not supported; supported: channel, group"
+        )
     if acts is not None and (acts.type != "int" or acts.num_bits != 8):
-        raise UnsupportedError(f"activation quantization {acts.model_dump_json()} is not supported; supported: {SUPPORTED_SCHEMES}")
+        raise UnsupportedError(
+            f"activation quantization {acts.model_dump_json()} is not supported; supported: "
+            f"{SUPPORTED_SCHEMES}"
+        )
     name = ct.scheme_name(weights, acts)
     if name == "w4a8_static":
-        raise UnsupportedError(f"W4A8 with static activations is not supported; supported: {SUPPORTED_SCHEMES}")
+        raise UnsupportedError(
+            f"W4A8 with static activations is not supported; supported: {SUPPORTED_SCHEMES}"
+        )
     return name
 
 
@@ -57,7 +73,8 @@ class QuantConfig:
 
         if raw.get("quant_method") != "compressed-tensors":
             raise UnsupportedError(
-                f"quantization method {raw.get('quant_method')!r} is not supported; supported: compressed-tensors"
+                f"quantization method {raw.get('quant_method')!r} is not supported; supported: "
+                f"compressed-tensors"
             )
         try:
             self.config = QuantizationConfig.model_validate(raw)
@@ -68,7 +85,8 @@ class QuantConfig:
             fmt = scheme.format or self.config.format
             if scheme.weights is not None and fmt not in ct.SUPPORTED_FORMATS:
                 raise UnsupportedError(
-                    f"compressed-tensors format {fmt!r} is not supported; supported: {', '.join(ct.SUPPORTED_FORMATS)}"
+                    f"compressed-tensors format {fmt!r} is not supported; supported: "
+                    f"{', '.join(ct.SUPPORTED_FORMATS)}"
                 )
             self.groups.append((scheme, served_scheme_name(scheme), fmt))
         self.kv_cache_scheme = self.config.kv_cache_scheme
@@ -84,7 +102,8 @@ class QuantConfig:
 
 def iter_checkpoint(model_dir: Path, quant: QuantConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight, memory-mapped; quantized linears come out in the signed-int convention
-    (`ascq.formats.compressed_tensors.decompress_linear`: int8 `weight`, `weight_scale`, `zero_point`, ...)."""
+    (`ascq.formats.compressed_tensors.decompress_linear`: int8 `weight`, `weight_scale`, `zero_point`,
+    ...)."""
     reader = CheckpointReader(model_dir)
     modules: dict[str, list[str]] = {}
     for name in sorted(reader):
@@ -103,13 +122,16 @@ def iter_checkpoint(model_dir: Path, quant: QuantConfig | None) -> Iterator[tupl
 
 
 def load_model(
-    model_dir: Path, device: str, dtype: torch.dtype, config: dict[str, Any] | None = None,
+    model_dir: Path,
+    device: str,
+    dtype: torch.dtype,
+    config: dict[str, Any] | None = None,
     prepare: Callable[[torch.nn.Module], Callable[[str], bool]] | None = None,
 ) -> tuple[torch.nn.Module, QuantConfig | None]:
     """Build the model on the meta device, stream the checkpoint into it, prepare the kernels' weights.
 
-    `prepare(meta_model) -> keep(name)`: a pipeline stage drops the modules other stages own and loads only the
-    tensors `keep` accepts."""
+    `prepare(meta_model) -> keep(name)`: a pipeline stage drops the modules other stages own and loads only
+    the tensors `keep` accepts."""
     config = config or read_config(model_dir)
     raw_quant = config.get("quantization_config") or config.get("compression_config")
     quant = QuantConfig(raw_quant) if raw_quant else None

@@ -22,8 +22,14 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, block_size: int, device: torch.device, enforce_eager: bool = True,
-                 max_num_seqs: int = 1) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        block_size: int,
+        device: torch.device,
+        enforce_eager: bool = True,
+        max_num_seqs: int = 1,
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -42,7 +48,9 @@ class ModelRunner:
             if not platform_for(device).is_cpu or not isinstance(head, ParallelLMHead):
                 raise UnsupportedError("ASCQ_LM_HEAD_QUANT=int8 needs the cpu backend and a ParallelLMHead")
             head.quantize_int8()
-            logger.info("ASCQ_LM_HEAD_QUANT=int8: the LM head runs as int8 (per-row scales); logits differ from bf16")
+            logger.info(
+                "ASCQ_LM_HEAD_QUANT=int8: the LM head runs as int8 (per-row scales); logits differ from bf16"
+            )
 
     def _start_graphs(self, max_num_seqs: int) -> None:
         """Device graphs on the cuda / npu kernel backends, compiled decode graphs on the CPU ones."""
@@ -60,7 +68,9 @@ class ModelRunner:
         if reason:
             logger.info("enforce_eager=False: %s; the model runs eagerly", reason)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Inputs for the scheduled chunks, plus the flat row of each request's last scheduled token."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -69,7 +79,9 @@ class ModelRunner:
         seq_lens: list[int] = []
         bs = self.block_size
         spec_token_ids = out.spec_token_ids or [[]] * len(out.requests)
-        for request, num_new, spec in zip(out.requests, out.num_scheduled_tokens, spec_token_ids, strict=True):
+        for request, num_new, spec in zip(
+            out.requests, out.num_scheduled_tokens, spec_token_ids, strict=True
+        ):
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             input_ids.extend(request.token_ids[start:end] + spec if spec else request.token_ids[start:end])
             span = range(start, end)
@@ -91,9 +103,17 @@ class ModelRunner:
             seq_lens=tensor(seq_lens, torch.int32),
             max_query_len=max(out.num_scheduled_tokens),  # proposed tokens included
         )
-        meta.use_decode_graph = (self.decode_graphs is not None and meta.max_query_len == 1
-                                 and len(out.requests) <= MAX_GRAPH_BATCH)
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, [q - 1 for q in query_start_loc[1:]]
+        meta.use_decode_graph = (
+            self.decode_graphs is not None
+            and meta.max_query_len == 1
+            and len(out.requests) <= MAX_GRAPH_BATCH
+        )
+        return (
+            tensor(input_ids, torch.int64),
+            tensor(positions, torch.int64),
+            meta,
+            [q - 1 for q in query_start_loc[1:]],
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
@@ -105,11 +125,14 @@ class ModelRunner:
             hidden = self.device_graphs.run(input_ids, positions, meta)  # None past the largest capture size
         if hidden is None:
             hidden = self.model(input_ids, positions, meta)
-        self.hidden_states = hidden  # every scheduled token's final hidden state (the engine's prompt_logprobs)
+        self.hidden_states = (
+            hidden  # every scheduled token's final hidden state (the engine's prompt_logprobs)
+        )
         spec_token_ids = out.spec_token_ids or [[]] * len(out.requests)
         rows, sampling = [], []
-        for row, request, num_new, spec in zip(last_rows, out.requests, out.num_scheduled_tokens, spec_token_ids,
-                                               strict=True):
+        for row, request, num_new, spec in zip(
+            last_rows, out.requests, out.num_scheduled_tokens, spec_token_ids, strict=True
+        ):
             if request.num_computed_tokens + num_new == request.num_tokens + len(spec):
                 rows.extend(range(row - len(spec), row + 1))
                 sampling.append(request)

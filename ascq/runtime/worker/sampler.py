@@ -2,11 +2,11 @@
 temperature with top-k / top-p / min-p.
 
 Order (vLLM v1): per-request `logits_processors` (offline plug-in, fn(output_token_ids, logits) -> logits) ->
-structured-output token bitmask -> allowed_token_ids, bad_words, min_tokens (stop tokens banned), logit_bias ->
-repetition / frequency / presence penalties -> logprobs -> temperature, min-p, top-k / top-p -> sample.
-Every step is a tensor op over the whole batch; Python only walks each request's own sparse entries (bias items,
-banned ids), never the vocabulary. A custom sampler can be passed to `LLMEngine(..., sampler=...)` with this
-`__call__`. Logprobs are those of the processed logits before temperature and truncation.
+structured-output token bitmask -> allowed_token_ids, bad_words, min_tokens (stop tokens banned), logit_bias
+-> repetition / frequency / presence penalties -> logprobs -> temperature, min-p, top-k / top-p -> sample.
+Every step is a tensor op over the whole batch; Python only walks each request's own sparse entries (bias
+items, banned ids), never the vocabulary. A custom sampler can be passed to `LLMEngine(..., sampler=...)` with
+this `__call__`. Logprobs are those of the processed logits before temperature and truncation.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution random sampling draws from, per row [S, V]: temperature, top-k / top-p, min-p, softmax.
+    """The distribution random sampling draws from, per row [S, V]: temperature, top-k / top-p, min-p,
+    softmax.
 
     Shared with speculative decoding's rejection sampler, so both sample the same distribution."""
     logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
@@ -71,7 +72,9 @@ def token_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> dict[
 
 def padded(rows: list[list[int]], pad: int) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), width)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(
+        len(rows), width
+    )
 
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -81,8 +84,14 @@ def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
-def apply_penalties(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    output_ids: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
     """vLLM's penalties on logits [S, V]. prompt_ids / output_ids [S, L] are padded with V.
 
     repetition: tokens seen in prompt or output are divided by it when positive, multiplied when negative;
@@ -102,7 +111,7 @@ def bad_word_bans(request: Request) -> list[int]:
     bans = []
     for word in request.params.bad_words_token_ids:
         prefix = word[:-1]
-        if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix):] == prefix):
+        if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix) :] == prefix):
             bans.append(word[-1])
     return bans
 
@@ -113,10 +122,11 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)  # banned before min_tokens
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request],
-                 token_bitmask: torch.Tensor | None = None) -> list[SampleResult]:
-        """logits: fp32 [len(requests), vocab] on any device; sampling runs on the CPU. token_bitmask: xgrammar's
-        int32 [len(requests), ceil(vocab / 32)] allowed-token bits (structured outputs)."""
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], token_bitmask: torch.Tensor | None = None
+    ) -> list[SampleResult]:
+        """logits: fp32 [len(requests), vocab] on any device; sampling runs on the CPU. token_bitmask:
+        xgrammar's int32 [len(requests), ceil(vocab / 32)] allowed-token bits (structured outputs)."""
         logits = self.process(logits, requests, token_bitmask)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
@@ -134,11 +144,12 @@ class Sampler:
             results.append(SampleResult(token_id, top))
         return results
 
-    def process(self, logits: torch.Tensor, requests: list[Request],
-                token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    def process(
+        self, logits: torch.Tensor, requests: list[Request], token_bitmask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The logits pipeline up to (not including) temperature: fp32 on the CPU. Rows need only `params`,
-        `prompt_token_ids`, `output_token_ids` and `num_output_tokens` (speculative decoding passes views whose
-        output includes the proposed tokens before that row)."""
+        `prompt_token_ids`, `output_token_ids` and `num_output_tokens` (speculative decoding passes views
+        whose output includes the proposed tokens before that row)."""
         logits = logits.float().cpu()
         for i, request in enumerate(requests):
             for processor in request.params.logits_processors:
@@ -152,7 +163,8 @@ class Sampler:
         return logits
 
     def _apply_bans_and_bias(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """allowed_token_ids, bad_words, min_tokens and logit_bias as sparse (row, token) updates of the batch."""
+        """allowed_token_ids, bad_words, min_tokens and logit_bias as sparse (row, token) updates of the
+        batch."""
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         bias_rows: list[int] = []
@@ -181,8 +193,9 @@ class Sampler:
             keep[[i for i in range(len(requests)) if i not in rows]] = True
             logits = logits.masked_fill(~keep, float("-inf"))
         if bias_rows:
-            logits.index_put_((torch.tensor(bias_rows), torch.tensor(bias_ids)), torch.tensor(bias_values),
-                              accumulate=True)
+            logits.index_put_(
+                (torch.tensor(bias_rows), torch.tensor(bias_ids)), torch.tensor(bias_values), accumulate=True
+            )
         if ban_rows:
             logits[ban_rows, ban_ids] = float("-inf")
         return logits
@@ -190,18 +203,22 @@ class Sampler:
     def _penalize(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         vocab = logits.shape[-1]
         return apply_penalties(
-            logits, padded([r.prompt_token_ids for r in requests], vocab),
+            logits,
+            padded([r.prompt_token_ids for r in requests], vocab),
             padded([r.output_token_ids for r in requests], vocab),
             torch.tensor([r.params.repetition_penalty for r in requests]),
             torch.tensor([r.params.frequency_penalty for r in requests]),
-            torch.tensor([r.params.presence_penalty for r in requests]))
+            torch.tensor([r.params.presence_penalty for r in requests]),
+        )
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         probs = sampling_probs(logits, [r.params for r in requests])
-        return torch.cat([
-            torch.multinomial(probs[i], 1, generator=request.generator or self.generator)
-            for i, request in enumerate(requests)
-        ])
+        return torch.cat(
+            [
+                torch.multinomial(probs[i], 1, generator=request.generator or self.generator)
+                for i, request in enumerate(requests)
+            ]
+        )
 
 
 def _call_processor(processor, request: Request, logits: torch.Tensor) -> torch.Tensor:
