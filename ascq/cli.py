@@ -504,9 +504,8 @@ def serve(
     from ascq.runtime.server.listen import bind_socket
 
     headless = is_headless(node_rank)  # a node that only runs ranks, until node 0's engine stops them
-    sock = (
-        None if headless else bind_socket(host, port)
-    )  # before torch and the model load: a busy port fails at once
+    # before torch and the model load: a busy port fails at once
+    sock = None if headless else bind_socket(host, port)
 
     from ascq.runtime.server.api_server import ServeOptions
 

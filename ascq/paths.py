@@ -8,9 +8,8 @@ from ascq import envs
 PACKAGE_DIR = Path(__file__).resolve().parent
 PROJECT_DIR = PACKAGE_DIR.parent
 DATA_DIR = PACKAGE_DIR / "data"
-RECIPES_DIR = (
-    PACKAGE_DIR / "recipes"
-)  # in a checkout a symlink to the project's recipes/; package data when installed
+# in a checkout a symlink to the project's recipes/; package data when installed
+RECIPES_DIR = PACKAGE_DIR / "recipes"
 EVAL_TEXT = DATA_DIR / "eval.txt"
 DEFAULT_MAX_EVAL_TOKENS = 8192  # convert's perplexity before/after reads this many eval tokens by default
 CALIB_TEXT = DATA_DIR / "calib.txt"

@@ -47,11 +47,12 @@ from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent
 LLMC_PYTHON = PROJECT / ".venv-llmc" / "bin" / "python"
+# llm-compressor algorithm -> ascq recipe
 ASCQ_RECIPE = {
     "awq": "awq-int4",
     "gptq": "w4a16-gptq",
     "smoothquant": "w8a8",
-}  # llm-compressor algorithm -> ascq recipe
+}
 
 
 # ---- worker: runs inside .venv-llmc, imports nothing from ascq
@@ -227,9 +228,8 @@ def driver(args: argparse.Namespace) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     source = work / "source"  # the fixture without its manifest: ascq then skips its own before/after eval
-    marker = (
-        work / ".compare_llmcompressor"
-    )  # this script's scratch folder: only then is its old source replaced
+    # this script's scratch folder: only then is its old source replaced
+    marker = work / ".compare_llmcompressor"
     if any(work.iterdir()) and not marker.exists():
         sys.exit(f"--work {work} is not empty and was not made by this script; give an empty or new folder")
     marker.touch()

@@ -124,9 +124,8 @@ def profile(
     llm = LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20, **kwargs)
     prompts = [[100 + (i * 7 + j) % 3000 for j in range(context)] for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=num_steps + 8, ignore_eos=True)
-    llm.generate(
-        prompts[:1], SamplingParams(temperature=0, max_tokens=4)
-    )  # warm-up (compiles, native kernels)
+    # warm-up (compiles, native kernels)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, params)

@@ -148,9 +148,10 @@ def main() -> None:
     fp_answers = answers(model)
     scored = [i for i, (_, key) in enumerate(PROMPTS) if has_key(fp_answers[i], key)]
     print(f"FP answers {len(scored)}/{len(PROMPTS)} prompts with the key answer")
+    # reference_forward reads quantized entries only
     rows = {
         "fp": {"ppl_transformers": transformers_perplexity(model, ids, args.window), "ppl_reference": None}
-    }  # reference_forward reads quantized entries only
+    }
     for recipe in args.recipes:
         out = work / recipe
         seconds, rss = convert(model, recipe, out, extra)

@@ -249,9 +249,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    signal.signal(
-        signal.SIGTERM, lambda *_: sys.exit(143)
-    )  # run the finally below: never leave llama-server behind
+    # run the finally below: never leave llama-server behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     specs = dict(item.split("=", 1) for item in args.ascq)
     unknown = sorted(set(args.no_fused + args.lm_head_int8) - set(specs))
     if unknown:
@@ -277,9 +276,8 @@ def main() -> None:
                 decode[name].append(ascq_decode_tps(llm, prompt, args.decode_tokens))
             line = ", ".join(f"{n} {v[-1]:.1f}" for n, v in decode.items())
             print(f"round {r + 1} batch-1 decode tok/s: {line}", flush=True)
-            if (
-                args.num_requests
-            ):  # new requests each round: ascq's prefix cache would serve a repeated prompt
+            # new requests each round: ascq's prefix cache would serve a repeated prompt
+            if args.num_requests:
                 requests = make_requests(args.num_requests, args.seed + r)
                 batched["llama.cpp"].append(llama_batched_tps(server, requests, args.concurrency))
                 batched[batched_name].append(ascq_batched_tps(llms[batched_name], requests))

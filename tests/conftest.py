@@ -156,12 +156,13 @@ def converted_entry(tmp_path_factory: pytest.TempPathFactory):
     cache: dict[tuple, Path] = {}
 
     def convert_once(base_dir: Path, recipe_names: tuple[str, ...], **opts) -> Path:
+        # whole eval text: stable bounds
         opts = {
             "num_samples": 32,
             "seq_len": 256,
             "max_eval_tokens": None,
             **opts,
-        }  # whole eval text: stable bounds
+        }
         key = (str(base_dir), tuple(recipe_names), tuple(sorted((k, str(v)) for k, v in opts.items())))
         if key not in cache:
             out = root / f"{Path(base_dir).name}-{'+'.join(Path(r).stem for r in recipe_names)}-{len(cache)}"

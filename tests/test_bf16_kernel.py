@@ -31,8 +31,7 @@ def test_small_m_linear_applies_only_where_the_kernel_runs():
     assert cpu.bf16_small_m_linear(torch.randn(2, 64), weight) is not None
     assert cpu.bf16_small_m_linear(torch.randn(cpu.DENSE_BF16_MAX_M, 64), weight) is None  # fp32 GEMM path
     assert cpu.bf16_small_m_linear(torch.randn(2, 64), weight.float()) is None
-    assert (
-        cpu.bf16_small_m_linear(torch.randn(2, 40), torch.randn(32, 40).to(torch.bfloat16)) is None
-    )  # K % 16
+    # K % 16
+    assert cpu.bf16_small_m_linear(torch.randn(2, 40), torch.randn(32, 40).to(torch.bfloat16)) is None
     with pytest.raises(ValueError, match="rejected"):
         native.bf16_mm(LIB, torch.randn(2, 40), torch.randn(32, 40).to(torch.bfloat16))

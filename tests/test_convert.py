@@ -60,9 +60,8 @@ def test_each_recipe_converts_each_fixture(request, converted_entry, recipes, fi
     entry = converted_entry(base, recipes)
     manifest = read_manifest(entry)
     verify_files(entry, manifest)
-    assert any(
-        "tensor names match compressed-tensors" in line for line in verify_entry(entry)
-    )  # `ascq zoo verify`
+    # `ascq zoo verify`
+    assert any("tensor names match compressed-tensors" in line for line in verify_entry(entry))
     qconfig = json.loads((entry / "config.json").read_text())["quantization_config"]
     fmt, q_proj = EXPECTED[recipes[0]]
     assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == fmt

@@ -63,9 +63,8 @@ def test_alpha_grid_gram_loss_equals_the_linear_output_loss():
     assert torch.equal(linear.weight, before)
     assert gram[2] == pytest.approx(plain[2], rel=1e-4)
     assert gram[1] == plain[1] and torch.equal(gram[0], plain[0])
-    second = nn.Linear(
-        64, 8
-    )  # several linears reading x: the Gram loss is the MSE of their concatenated outputs
+    # several linears reading x: the Gram loss is the MSE of their concatenated outputs
+    second = nn.Linear(64, 8)
     outputs = lambda: torch.cat([linear(x), second(x)], dim=-1)  # noqa: E731
     plain = awq.search_scales(x_mean, [linear, second], outputs, fake_quantize, config)
     gram = awq.search_scales(

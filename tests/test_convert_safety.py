@@ -193,9 +193,8 @@ def test_signal_during_convert_removes_staging(sig, code, word, tmp_path) -> Non
             proc.kill()
             proc.wait()
     assert proc.returncode == code, err
-    errors = [
-        line for line in err.splitlines() if line.startswith("error:")
-    ]  # splitlines also cuts tqdm's \r
+    # splitlines also cuts tqdm's \r
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {word}") and "Traceback" not in err, err
     assert list(out.parent.iterdir()) == []
 

@@ -113,9 +113,8 @@ def compare(model: Path, monkeypatch) -> device_graphs.DeviceGraphs:
     graphs = llm.engine.runner.device_graphs
     assert graphs is not None and sorted({s.size for s in graphs.steps.values()}) == [1, 2, 4]
     caches = [m.k_cache for m in llm.engine.model.modules() if isinstance(m, Attention)]
-    assert all(
-        cache.isfinite().all() for cache in caches
-    )  # the capture's attention saw replayed q/k/v, not NaN
+    # the capture's attention saw replayed q/k/v, not NaN
+    assert all(cache.isfinite().all() for cache in caches)
     run, batches = graphs.run, []
 
     def counted(input_ids: torch.Tensor, *args) -> torch.Tensor | None:
@@ -130,9 +129,8 @@ def compare(model: Path, monkeypatch) -> device_graphs.DeviceGraphs:
     assert replayed == [1, 2, 3, 4] and sorted({n for n, hidden in batches if hidden is None}) == [5, 6]
     for size in (1, 2, 4):
         pieces = graphs.steps[size].pieces
-        assert all(
-            p.graph.replay_count > 1 for p in pieces if p.graph is not None
-        )  # capture's one + the steps'
+        # capture's one + the steps'
+        assert all(p.graph.replay_count > 1 for p in pieces if p.graph is not None)
     return graphs
 
 

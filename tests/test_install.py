@@ -81,9 +81,8 @@ def test_version_and_python_m_and_recipes_without_torch(tmp_path: Path) -> None:
 def test_generate_resolves_zoo_names_and_explains_hub_ids(capsys) -> None:
     from ascq.cli import main
 
-    main(
-        ["generate", "tiny-llama", "--prompt", "def f(", "--max-tokens", "2"]
-    )  # the committed fixture, by name
+    # the committed fixture, by name
+    main(["generate", "tiny-llama", "--prompt", "def f(", "--max-tokens", "2"])
     assert capsys.readouterr().out.strip()
     with pytest.raises(SystemExit) as info:
         main(["serve", "someorg/some-model"])

@@ -13,10 +13,11 @@ from native_support import needs_native, skip_without_native
 from ascq.core.errors import AscqError, UnsupportedError
 from ascq.kernels import WEIGHT_BITS, QuantLinearWeights, cpu, get_backend, merge_output_dim
 
+# run here on CPU tensors; cuda's GPU-only ops are checked by benchmarks/cuda_check.py
 FAST_BACKENDS = (
     "cpu",
     "cuda",
-)  # run here on CPU tensors; cuda's GPU-only ops are checked by benchmarks/cuda_check.py
+)
 FP8 = torch.float8_e4m3fn
 
 # (scheme, out, in, group_size, symmetric): odd sizes, groups the fast kernels lack, asymmetric zero points
@@ -144,9 +145,8 @@ def test_backend_linear_matches_reference(case, backend, dtype):
 def test_cpu_linear_works_after_use_under_inference_mode():
     """The engine runs under inference mode; buffers it grows must stay usable outside it."""
     cpu = get_backend("cpu")
-    w = make_weights(
-        "dense", 64, 2048, seed=3
-    )  # larger than any other layer in this file: grows the workspace
+    # larger than any other layer in this file: grows the workspace
+    w = make_weights("dense", 64, 2048, seed=3)
     w.weight = w.weight.bfloat16()
     prepared = cpu.prepare_linear(w, torch.bfloat16)
     x = torch.randn(300, 2048).bfloat16()  # bf16 at large M runs through the fp32 workspace

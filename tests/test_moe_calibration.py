@@ -116,9 +116,8 @@ def test_modifier_arguments_are_validated():
     with pytest.raises(RecipeError, match="needs a scheme"):
         GPTQModifier.from_args({"block_size": 64})
     with pytest.raises(RecipeError, match="weighted_mse weights the mse observer's error"):
-        GPTQModifier.from_args(
-            {"scheme": "W4A16_ASYM", "weighted_mse": True}
-        )  # the preset's observer is minmax
+        # the preset's observer is minmax
+        GPTQModifier.from_args({"scheme": "W4A16_ASYM", "weighted_mse": True})
     mse_group = {
         "targets": ["Linear"],
         "weights": {

@@ -114,9 +114,8 @@ def test_emulator_enforces_documented_contracts(npu_backend):
         torch_npu.npu_weight_quant_batchmatmul(x, w, scale.float())
     with pytest.raises(EmulatedContractError, match="x1 dtype"):
         torch_npu.npu_quant_matmul(x, w, torch.ones(32), output_dtype=DTYPE)
-    with pytest.raises(
-        EmulatedContractError, match="combination"
-    ):  # fp16 output without pertoken needs int32 bias
+    # fp16 output without pertoken needs int32 bias
+    with pytest.raises(EmulatedContractError, match="combination"):
         torch_npu.npu_quant_matmul(
             w.t()[:4].contiguous(), w, torch.ones(32), bias=torch.ones(32), output_dtype=torch.float16
         )

@@ -126,9 +126,8 @@ def test_w8a8_static_export_identities(tiny_llama_dir, npu_converted):
         expected_bias = (-t["input_offset"].double() * weight_sum).round().to(torch.int32)  # no bias in Llama
         assert torch.equal(t["quant_bias"], expected_bias)
         assert torch.equal(t["input_scale"].float(), ct[f"{prefix}.input_scale"].float().reshape(1))
-        if prefix.endswith(
-            ("q_proj", "gate_proj")
-        ):  # vllm-ascend's apply in plain torch == the reference linear
+        # vllm-ascend's apply in plain torch == the reference linear
+        if prefix.endswith(("q_proj", "gate_proj")):
             rows = x[:, : t["weight"].shape[1]]
             x_int8 = (
                 (rows.float() / t["input_scale"].float() + t["input_offset"].float()).round().clamp(-128, 127)

@@ -196,9 +196,8 @@ def test_mse_observer_matches_a_per_group_loop_across_chunks(monkeypatch):
 
     from ascq.core import qmath
 
-    monkeypatch.setattr(
-        observer, "MSE_CHUNK_ELEMENTS", 3 * 64 + 5
-    )  # chunk edges inside the weight, a ragged last one
+    # chunk edges inside the weight, a ragged last one
+    monkeypatch.setattr(observer, "MSE_CHUNK_ELEMENTS", 3 * 64 + 5)
     torch.manual_seed(1)
     w = torch.randn(10, 4, 64) * torch.rand(10, 4, 1)
     w[2, 1, 7] = 9.0

@@ -130,9 +130,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def cheap_opts(tmp_path_factory, eval_text_path) -> dict:
-    short_eval = (
-        tmp_path_factory.mktemp("runtime-eval") / "eval.txt"
-    )  # perplexity is not what these tests check
+    # perplexity is not what these tests check
+    short_eval = tmp_path_factory.mktemp("runtime-eval") / "eval.txt"
     short_eval.write_text(eval_text_path.read_text()[:4000])
     return {"num_samples": 8, "seq_len": 128, "eval_text": short_eval}
 

@@ -222,9 +222,8 @@ def test_logprobs(client: openai.OpenAI) -> None:
     for token, logprob, top in zip(
         choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs, strict=True
     ):
-        assert (
-            logprob <= 0 and len(top) <= 3 and max(top.values()) == pytest.approx(logprob)
-        )  # greedy = top-1
+        # greedy = top-1
+        assert logprob <= 0 and len(top) <= 3 and max(top.values()) == pytest.approx(logprob)
         assert token in top
     chat = client.chat.completions.create(
         model="tiny-llama",

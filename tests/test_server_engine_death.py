@@ -36,9 +36,8 @@ def test_engine_killed_mid_stream(tiny_llama_dir: Path, tmp_path: Path) -> None:
         reader.start()
     try:
         started.wait()
-        engine = next(
-            c for c in children if "spawn_main" in " ".join(c.cmdline())
-        )  # not the resource tracker
+        # not the resource tracker
+        engine = next(c for c in children if "spawn_main" in " ".join(c.cmdline()))
         start = time.monotonic()
         os.kill(engine.pid, signal.SIGKILL)
         answers = []

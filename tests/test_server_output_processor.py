@@ -143,6 +143,5 @@ def test_processor_drops_tokens_the_core_made_after_a_stop_string(engines):
     assert split_logprobs(served)[0] == split_logprobs(reference)[0]
     assert split_logprobs(served)[1] == pytest.approx(split_logprobs(reference)[1], rel=1e-4, abs=1e-5)
     num_kept = sum(len(o.token_ids) for output in served.values() for o in output.outputs)
-    assert (
-        core.num_generation_tokens - num_core_tokens > num_kept
-    )  # the core did make tokens past stop strings
+    # the core did make tokens past stop strings
+    assert core.num_generation_tokens - num_core_tokens > num_kept

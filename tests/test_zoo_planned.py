@@ -41,9 +41,8 @@ def payload_bytes(entry: Path) -> int:
 def test_deepseek_moe_16b_tensors_and_parameter_count_match_the_reference_model() -> None:
     from ascq.models.deepseek_moe import DeepseekConfig, DeepseekDecoderLayer, DeepseekForCausalLM
 
-    two_layers = dict(
-        deepseek_moe_16b.CONFIG, num_hidden_layers=2
-    )  # layer 0 dense, layer 1 MoE, as in all 28
+    # layer 0 dense, layer 1 MoE, as in all 28
+    two_layers = dict(deepseek_moe_16b.CONFIG, num_hidden_layers=2)
     config = DeepseekConfig.from_dict(two_layers)
     with torch.device("meta"):
         model = DeepseekForCausalLM(config)

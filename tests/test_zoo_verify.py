@@ -126,7 +126,6 @@ def test_fixtures_and_converted_fixtures_verify(
     assert verify_entry(tiny_llama_dir)[-1].endswith("(format hf)")
     assert verify_entry(tiny_deepseek_moe_dir)[-1].endswith("(format hf)")
     assert "format pack-quantized" in verify_entry(converted_entry(tiny_llama_dir, ("w4a16-rtn",)))[-1]
-    moe = verify_entry(
-        converted_entry(tiny_deepseek_moe_dir, ("w8a8", "fp8-kv"))
-    )  # router ignored, k/v scales
+    # router ignored, k/v scales
+    moe = verify_entry(converted_entry(tiny_deepseek_moe_dir, ("w8a8", "fp8-kv")))
     assert "format int-quantized" in moe[-1] and "model_type deepseek" in moe[1]

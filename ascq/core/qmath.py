@@ -251,9 +251,8 @@ def quantize_per_token(x: torch.Tensor, num_bits: int = 8) -> tuple[torch.Tensor
     """
     qmin, qmax = int_range(num_bits)
     x32 = x.float()
-    scale = (
-        torch.linalg.vector_norm(x32, float("inf"), dim=-1, keepdim=True) / qmax
-    )  # max |x|, no |x| temporary
+    # max |x|, no |x| temporary
+    scale = torch.linalg.vector_norm(x32, float("inf"), dim=-1, keepdim=True) / qmax
     q = x32 / torch.where(scale > 0, scale, torch.ones_like(scale))
     return q.round_().clamp_(qmin, qmax), scale
 

@@ -133,10 +133,11 @@ def resolve_entry(name_or_path: str | os.PathLike) -> Path:
     raise AscqError(f"no zoo entry '{name_or_path}': not a folder, and not in the zoo at {zoo_root()}")
 
 
+# `.NAME.staging-PID-xxxx` (being written), `.NAME.old-PID-xxxx` (being replaced)
 STAGING_TAGS = (
     "staging",
     "old",
-)  # `.NAME.staging-PID-xxxx` (being written), `.NAME.old-PID-xxxx` (being replaced)
+)
 
 
 def check_output(target: Path, sources: list[Path], overwrite: bool) -> None:
@@ -228,9 +229,8 @@ def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(target.parent, target.name)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-{os.getpid()}-", dir=target.parent))
-        os.chmod(
-            staging, 0o777 & ~_current_umask()
-        )  # mkdtemp makes 0700; an entry gets normal folder permissions
+        # mkdtemp makes 0700; an entry gets normal folder permissions
+        os.chmod(staging, 0o777 & ~_current_umask())
     except OSError as exc:
         raise AscqError(f"cannot write to {target.parent}: {exc.strerror or exc}") from None
     try:

@@ -28,10 +28,11 @@ from ascq.platforms import platform_for
 
 SCHEMES = ("dense", "w8a8_dynamic", "w8a8_static", "w4a16", "w8a16", "w4a8_dynamic")
 WEIGHT_BITS = {"w8a8_dynamic": 8, "w8a8_static": 8, "w4a16": 4, "w8a16": 8, "w4a8_dynamic": 4}
+# weight-only: every backend dequantizes (q - zero) * scale in float
 FLOAT_ZERO_POINT_SCHEMES = (
     "w4a16",
     "w8a16",
-)  # weight-only: every backend dequantizes (q - zero) * scale in float
+)
 
 
 @dataclass

@@ -83,9 +83,8 @@ _workspaces: dict[torch.dtype, torch.Tensor] = {}
 def _workspace(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     buf = _workspaces.get(dtype)
     if buf is None or buf.numel() < rows * cols:
-        with torch.inference_mode(
-            False
-        ):  # a normal tensor: the engine runs under inference mode, tests do not
+        # a normal tensor: the engine runs under inference mode, tests do not
+        with torch.inference_mode(False):
             buf = _workspaces[dtype] = torch.empty(rows * cols, dtype=dtype)
     return buf[: rows * cols].view(rows, cols)
 
@@ -362,9 +361,8 @@ def _bf16_gemm_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     """x @ W.T as one bf16 GEMM on `p`'s bf16 weight (dense, or dequantized from a weight-only scheme whose
     activations are bf16): AMX hosts, large M."""
     x = x.to(torch.bfloat16).contiguous()
-    if (
-        p.bf16_prepacked and torch.compiler.is_compiling()
-    ):  # inductor cannot lower the mkldnn op on a fused input
+    # inductor cannot lower the mkldnn op on a fused input
+    if p.bf16_prepacked and torch.compiler.is_compiling():
         y = torch.ops.ascq.bf16_packed_linear(x, p.bf16_weight, p.out_features)
     elif p.bf16_prepacked:
         y = _packed_linear(x, p.bf16_weight, p.out_features)

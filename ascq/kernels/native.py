@@ -51,10 +51,11 @@ SOURCES = [
     )
 ]
 HEADER = Path(__file__).with_name("ascq_kernels.h")  # the ABI: prototypes and structs, declared once
+# included by the sources: part of the build's cache key
 HEADERS = [
     HEADER,
     Path(__file__).with_name("simd.h"),
-]  # included by the sources: part of the build's cache key
+]
 MAX_GROUP_SIZE = {4: 4096, 8: 2048}  # the kernel's int32 partial sums are exact up to these
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # One build per instruction set, the same sources (AVX2 intrinsics; the compiler may use AVX-512 where
@@ -64,6 +65,7 @@ VARIANTS = {
     "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16", "avx512vnni"),
     "avx2": ("avx2", "fma", "f16c"),
 }
+# ascq_kernels.h's ASCQ_CPU_* (tests/test_native_abi.py checks they agree)
 FEATURE_BITS = {
     "avx2": 1,
     "fma": 2,
@@ -73,7 +75,7 @@ FEATURE_BITS = {
     "avx512vl": 32,
     "avx512bf16": 64,
     "avx512vnni": 128,
-}  # ascq_kernels.h's ASCQ_CPU_* (tests/test_native_abi.py checks they agree)
+}
 CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "void": None}
 
 
@@ -266,12 +268,10 @@ class PackedWeights:
     n: int  # output features (the last tile is padded with zero weights)
     k: int
     group_size: int
-    scales: (
-        torch.Tensor
-    )  # [tiles, groups, 8]: bf16 where that holds them exactly (fewer bytes per step), else fp32
-    zeros: (
-        torch.Tensor | None
-    )  # [tiles, groups, 8] zero points: int8, bf16 or fp32 (the most compact exact); None:
+    # [tiles, groups, 8]: bf16 where that holds them exactly (fewer bytes per step), else fp32
+    scales: torch.Tensor
+    # [tiles, groups, 8] zero points: int8, bf16 or fp32 (the most compact exact); None:
+    zeros: torch.Tensor | None
     # symmetric
 
 
@@ -301,9 +301,8 @@ def pack(
     (else fp32)."""
     n, k = q.shape
     n_padded = -(-n // TILE) * TILE
-    q = F.pad(q.to(torch.int16), (0, 0, 0, n_padded - n)).view(
-        n_padded // TILE, TILE, k // 4, 2, 2
-    )  # t, j, quad, h, p
+    # t, j, quad, h, p
+    q = F.pad(q.to(torch.int16), (0, 0, 0, n_padded - n)).view(n_padded // TILE, TILE, k // 4, 2, 2)
     if bits == 4:
         u = (q + 8).to(torch.uint8).permute(0, 2, 1, 4, 3)  # t, quad, j, p, h
         data = u[..., 0] | (u[..., 1] << 4)

@@ -95,9 +95,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, s.num_heads, s.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, s.num_kv_heads, s.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        cos_sin = self.rotary_emb.cos_sin(
-            position_ids.expand(batch, seq), x.dtype
-        )  # [batch, 1, seq, head_dim]
+        # [batch, 1, seq, head_dim]
+        cos_sin = self.rotary_emb.cos_sin(position_ids.expand(batch, seq), x.dtype)
         q, k = self.rotary_emb.rotate(q, cos_sin), self.rotary_emb.rotate(k, cos_sin)
         if kv_hook is not None:
             k, v = kv_hook(k, v)
@@ -127,13 +126,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)
-        if (
-            torch.is_grad_enabled()
-        ):  # training (tests/fixtures/train_fixture.py): autograd keeps the activation's input
+        # training (tests/fixtures/train_fixture.py): autograd keeps the activation's input
+        if torch.is_grad_enabled():
             return self.down_proj(F.silu(gate) * self.up_proj(x))
-        return self.down_proj(
-            F.silu(gate, inplace=True).mul_(self.up_proj(x))
-        )  # the same values, two fewer tensors
+        # the same values, two fewer tensors
+        return self.down_proj(F.silu(gate, inplace=True).mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

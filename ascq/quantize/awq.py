@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 FakeQuantize = Callable[[torch.Tensor], torch.Tensor]
-CLIP_STACK_ELEMENTS = (
-    8 << 20
-)  # weight elements quantized per call of the clip search (shrink steps stacked as rows)
+# weight elements quantized per call of the clip search (shrink steps stacked as rows)
+CLIP_STACK_ELEMENTS = 8 << 20
 
 
 @dataclasses.dataclass
@@ -124,9 +123,8 @@ def search_scales(
         raise ValueError("AWQ: search_scales needs block_output or gram")
     quantizers = [fake_quantize] * len(linears) if callable(fake_quantize) else list(fake_quantize)
     w_mean = weight_mean([lin.weight for lin in linears], config.group_size) if config.duo_scaling else None
-    candidates = (
-        [(None, torch.ones_like(x_mean))] if config.identity_candidate else []
-    )  # s = 1, reported as α None
+    # s = 1, reported as α None
+    candidates = [(None, torch.ones_like(x_mean))] if config.identity_candidate else []
     candidates += [
         (step / config.num_grid, duo_scales(x_mean, w_mean, step / config.num_grid))
         for step in range(config.num_grid)

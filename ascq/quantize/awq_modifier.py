@@ -136,9 +136,8 @@ class AWQModifier(Modifier):
             inputs.update(
                 {f"{expert}.{proj}": x for proj, x in dense.items() if f"{expert}.{proj}" in inputs}
             )
-        report: dict[str, Any] = ctx.report.setdefault(
-            "awq", {"alpha": {}, "skipped": []}
-        )  # shared by the blocks
+        # shared by the blocks
+        report: dict[str, Any] = ctx.report.setdefault("awq", {"alpha": {}, "skipped": []})
         for group in groups:
             if group.skip_reason is not None:
                 report["skipped"].append(
@@ -194,9 +193,8 @@ class AWQModifier(Modifier):
         if not all(n in ctx.targets for n in linears):
             report["skipped"].append(f"{group.smooth_layer} (not every linear is quantized)")
             return ones
-        if all(
-            ctx.keeps_source_grid(n) for n in linears
-        ):  # any s != 1 moves the weights off the source's grid
+        # any s != 1 moves the weights off the source's grid
+        if all(ctx.keeps_source_grid(n) for n in linears):
             report["skipped"].append(f"{group.smooth_layer} (weights on the source's quantization grid)")
             return ones
         modules = [ctx.module(n) for n in linears]
@@ -206,9 +204,8 @@ class AWQModifier(Modifier):
         block_output = None
         if calls is None:  # a single linear: its input rows are independent, sample them
             xs = awq.sample_tokens(_flat_cat(x), budget)
-            if (
-                modules == [block_module] and xs.shape[0] > xs.shape[1]
-            ):  # the loss follows from the weight change
+            # the loss follows from the weight change
+            if modules == [block_module] and xs.shape[0] > xs.shape[1]:
                 gram = xs.t() @ xs / xs.shape[0]
             else:
                 block_output = lambda: block_module(xs)  # noqa: E731

@@ -139,9 +139,8 @@ def load_calibration(source: str | Path | None, tokenizer, num_samples: int, seq
     token_lists = []
     total = 0
     for text in texts:  # tokenize lazily: stop once there are enough tokens
-        ids = tokenizer(text, add_special_tokens=False, verbose=False)[
-            "input_ids"
-        ]  # no "longer than" warning
+        # no "longer than" warning
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         token_lists.append(ids)
         total += len(ids) + 1
         if total >= num_samples * seq_len:

@@ -182,9 +182,8 @@ def gptq_quantize(
     perm = torch.arange(in_dim)
     if config.actorder:
         importance = torch.diag(h).view(num_groups, group)
-        scales, zeros = (
-            t.float() for t in qparams(w.view(out_dim, num_groups, group), importance)
-        )  # static: original weights
+        # static: original weights
+        scales, zeros = (t.float() for t in qparams(w.view(out_dim, num_groups, group), importance))
         perm = torch.argsort(torch.diag(h), descending=True)
         w, h = w[:, perm], h[perm][:, perm]
     u = _inverse_hessian_factor(h, config.dampening_frac)
@@ -237,9 +236,8 @@ def _solve(
         while first < end - start:
             col = start + first
             last = end - start
-            if (
-                not config.actorder
-            ):  # the group's columns as updated so far; the segment stops at the next group
+            # the group's columns as updated so far; the segment stops at the next group
+            if not config.actorder:
                 g = group_of[col]
                 if col % group == 0:
                     scale, zero = qparams(
@@ -303,9 +301,8 @@ def _torch_columns(
             g = int(groups[i])
             row, scale, zero = w_block[i], scales_t[g], zeros_t[g]
             torch.div(row, scale, out=q)
-            if (
-                config.float_zero_point
-            ):  # as qmath.quantize: round(w / scale + zero) or round(w / scale) + zero
+            # as qmath.quantize: round(w / scale + zero) or round(w / scale) + zero
+            if config.float_zero_point:
                 q.add_(zero).round_()
             else:
                 q.round_().add_(zero)

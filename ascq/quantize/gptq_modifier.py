@@ -152,9 +152,8 @@ class GPTQModifier(Modifier):
         Costs one layer forward instead of a calibration forward plus a propagation forward."""
         siblings = {n: [n] for n in owned}
         for group in ctx.balance_groups():
-            if not isinstance(
-                ctx.module(group.smooth_layer), torch.nn.Linear
-            ):  # a norm: its readers share one input
+            # a norm: its readers share one input
+            if not isinstance(ctx.module(group.smooth_layer), torch.nn.Linear):
                 names = [n for n in group.balance_layers if n in siblings]
                 siblings.update({n: names for n in names})
 

@@ -55,9 +55,8 @@ class CoverageLog:
 
     owner: str  # the modifier's name, for the error message
     min_tokens: int = DEFAULT_MIN_TOKENS
-    blocks: dict[str, Any] = dataclasses.field(
-        default_factory=dict
-    )  # full MoE block name -> ExpertCoverage.report()
+    # full MoE block name -> ExpertCoverage.report()
+    blocks: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.min_tokens < 0:

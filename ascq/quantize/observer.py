@@ -12,11 +12,12 @@ from ascq.kernels import native
 
 MINMAX_OBSERVERS = (None, "minmax", "memoryless_minmax", "static_minmax")  # the same ranges for a weight
 WEIGHT_OBSERVERS = (*MINMAX_OBSERVERS[1:], "mse")
+# llm-compressor's MovingAverageMSEObserver defaults
 MSE_DEFAULTS = {
     "maxshrink": 0.2,
     "grid": 100.0,
     "norm": 2.4,
-}  # llm-compressor's MovingAverageMSEObserver defaults
+}
 
 
 def weight_ranges(
@@ -41,6 +42,7 @@ def weight_ranges(
     shrinks = torch.tensor([1 - step / options["grid"] for step in range(steps)], dtype=torch.float32)
     flat = grouped.float().reshape(-1, grouped.shape[-1]).contiguous()
     low, high = low.float().reshape(-1, 1), high.float().reshape(-1, 1)
+    # [groups, steps]
     scale, zero = qmath.compute_qparams(
         low * shrinks,
         high * shrinks,
@@ -48,7 +50,7 @@ def weight_ranges(
         args.symmetric,
         scale_dtype,
         qmath.zero_point_dtype(args),
-    )  # [groups, steps]
+    )
     zero = None if args.symmetric else zero.float()
     if importance is not None:
         importance = importance.float().expand(grouped.shape).reshape(flat.shape).contiguous()
@@ -63,9 +65,8 @@ def weight_ranges(
         )
     else:
         errors = _group_quant_errors(flat, scale, zero, args.num_bits, options["norm"], importance)
-    best = shrinks[torch.nan_to_num(errors, nan=float("inf")).argmin(-1)][
-        :, None
-    ]  # the first of equal errors
+    # the first of equal errors
+    best = shrinks[torch.nan_to_num(errors, nan=float("inf")).argmin(-1)][:, None]
     return (low * best).view(grouped.shape[:-1]), (high * best).view(grouped.shape[:-1])
 
 

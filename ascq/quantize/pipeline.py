@@ -231,9 +231,8 @@ class LayerJob:
     scale_dtype: torch.dtype
     source_block_size: int | None = None  # the source's quantization block (`qmath.source_block_size`)
     source_float_min: bool = False  # its blocks have float minima (`qmath.source_has_float_min`)
-    gemm_dtype: torch.dtype = (
-        torch.float32
-    )  # of the linears' products in the forwards (`calibration_gemm_dtype`)
+    # of the linears' products in the forwards (`calibration_gemm_dtype`)
+    gemm_dtype: torch.dtype = torch.float32
     schemes: list[RecipeScheme] = dataclasses.field(init=False)
     group_size_fits: list[GroupSizeFit] = dataclasses.field(init=False)
 

@@ -101,9 +101,8 @@ def run_engine_core(
     from ascq.runtime.distributed.process_watch import exit_with_parent
 
     exit_with_parent(parent_pid)
-    signal.signal(
-        signal.SIGINT, signal.SIG_IGN
-    )  # Ctrl-C reaches the whole group; the server drains, then stops us
+    # Ctrl-C reaches the whole group; the server drains, then stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ascq.runtime.engine.llm_engine import LLMEngine
 
     engine = None

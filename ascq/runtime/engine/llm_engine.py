@@ -98,9 +98,8 @@ class LLMEngine:
         if params.bad_words:
             params.update_from_tokenizer(self.tokenizer)
         if params.structured_outputs is not None:
-            self.structured.compile(
-                params.structured_outputs
-            )  # ValueError for a bad schema, before admission
+            # ValueError for a bad schema, before admission
+            self.structured.compile(params.structured_outputs)
         sequences = []
         for index in range(params.n):
             generator = None

@@ -248,9 +248,8 @@ class MultiprocExecutor:
         self.dtype = dtype
         self.processes: list = []
         self.num_threads = torch.get_num_threads()  # restored at shutdown: rank 0 may be the user's process
-        if (
-            torchrun_rank() is not None
-        ):  # torchrun started every rank; this is rank 0, the others run `run_worker` themselves
+        # torchrun started every rank; this is rank 0, the others run `run_worker` themselves
+        if torchrun_rank() is not None:
             if int(os.environ["WORLD_SIZE"]) != args.world_size or int(os.environ["RANK"]) != 0:
                 raise AscqError(f"under torchrun the engine runs on RANK 0 with WORLD_SIZE {args.world_size}")
             init_method, local_world = "env://", int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))

@@ -67,9 +67,8 @@ class BlockManager:
     def get_computed_blocks(self, request: Request) -> list[int]:
         """The longest run of cached blocks matching the request's leading full blocks (never its last
         token)."""
-        if (
-            not self.enable_prefix_caching or request.params.prompt_logprobs is not None
-        ):  # needs every position
+        # needs every position
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []
         hits = []
         for i, block_hash in enumerate(

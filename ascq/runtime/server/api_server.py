@@ -144,9 +144,8 @@ async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
         ) from exc
     try:
         data = json.loads(bytes(body).decode("utf-8"))
-        json.dumps(data, ensure_ascii=False).encode(
-            "utf-8"
-        )  # lone surrogates (\ud800) cannot reach the tokenizer
+        # lone surrogates (\ud800) cannot reach the tokenizer
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeError as exc:
         raise APIError(400, f"request body is not valid UTF-8 text: {exc.reason}") from exc
     except json.JSONDecodeError as exc:

@@ -81,9 +81,8 @@ class LogprobFormatter:
 
     def _top_dict(self, step: dict[int, float], top_n: int) -> dict[str, float]:
         top: dict[str, float] = {}
-        for token_id, logprob in _top(
-            step, top_n
-        ):  # distinct ids may decode alike (partial UTF-8): keep the best
+        # distinct ids may decode alike (partial UTF-8): keep the best
+        for token_id, logprob in _top(step, top_n):
             top.setdefault(self._text(token_id), finite(logprob))
         return top
 

@@ -131,9 +131,8 @@ class FusedDecode:
         self.model = model
         self.silu = silu_table()
         self.plan: _Plan | None = None
-        self.attentions = [
-            layer.self_attn.attn for layer in model.layers
-        ]  # looked up once: Module.__getattr__ is slow
+        # looked up once: Module.__getattr__ is slow
+        self.attentions = [layer.self_attn.attn for layer in model.layers]
 
     def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(a.k_cache, a.v_cache) for a in self.attentions]
