@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from ascq.core.tensors import checkpoint_tensors
 from ascq.quantize.ct_writer import ShardWriter
-from ascq.quantize.layout import checkpoint_tensors
 
 EOS = "<|endoftext|>"
 

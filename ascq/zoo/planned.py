@@ -24,6 +24,7 @@ from compressed_tensors.quantization import QuantizationArgs
 from ascq.core.architecture import NEVER_QUANTIZED, head_dim_of, is_ignored
 from ascq.core.errors import AscqError
 from ascq.core.qmath import fitted_group_size, linear_group_size
+from ascq.core.tensors import Shape, checkpoint_tensors
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.manifest import (
     MANIFEST_NAME,
@@ -33,7 +34,6 @@ from ascq.formats.manifest import (
     staged_entry,
     write_manifest,
 )
-from ascq.quantize.layout import Shape, checkpoint_tensors
 
 BF16_BYTES = 2
 
