@@ -87,11 +87,17 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams | None = None
     ) -> None:
+        """`prompt`: text, token ids, or vLLM's TokensPrompt dict {"prompt_token_ids": [...], "cache_salt":
+        str} (requests share cached prefix blocks only with requests of the same salt)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        cache_salt = None
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids, params)
@@ -105,7 +111,7 @@ class LLMEngine:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator().manual_seed(params.seed + index)
-            sequences.append(Request(request_id, text, token_ids, params, generator, index))
+            sequences.append(Request(request_id, text, token_ids, params, generator, index, cache_salt))
         self.requests[request_id] = sequences
         for sequence in sequences:
             if self.detokenize:

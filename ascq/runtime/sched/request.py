@@ -24,8 +24,10 @@ class Request:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         index: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt  # vLLM's: requests share cached prefix blocks only with the same salt
         self.prompt = prompt
         self.params = params
         self.generator = generator

@@ -52,7 +52,7 @@ def create_app(
     engine: AsyncEngine,
     tokenizer: Any,
     prompter: ChatPrompter,
-    model_name: str,
+    model_names: list[str] | str,
     max_model_len: int,
     vocab_size: int,
     api_key: str | None = None,
@@ -65,7 +65,7 @@ def create_app(
         engine.stop()
 
     app = FastAPI(title="ascq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
-    serving = OpenAIServing(engine, tokenizer, prompter, model_name, max_model_len, vocab_size, tool_options)
+    serving = OpenAIServing(engine, tokenizer, prompter, model_names, max_model_len, vocab_size, tool_options)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(EngineDeadMiddleware, engine=engine)
     app.add_exception_handler(APIError, _api_error_response)
@@ -244,7 +244,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: list[str] | str | None = None  # the first is the one responses carry
     chat_template: str | None = None
     log_level: str = "info"
     enable_auto_tool_choice: bool = False
@@ -253,6 +253,11 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         from ascq.runtime.server.tool_calls import TOOL_CALL_PARSERS
+
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and not all(n.strip() for n in self.served_model_name):
+            raise AscqError("--served-model-name must not be empty")
 
         if not 0 <= self.port <= 65535:
             raise AscqError(f"--port must be in [0, 65535], got {self.port}")
@@ -364,7 +369,8 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     template = load_chat_template(options.chat_template)
-    model_name = options.served_model_name or engine_args.served_model_name or str(engine_args.model)
+    model_names = options.served_model_name or [engine_args.served_model_name or str(engine_args.model)]
+    model_name = model_names[0]
     options.port = sock.getsockname()[1]
     # the engine process checks the KV cache and describes itself (api_key: only whether there is one)
     described = dataclasses.replace(options, api_key="set" if options.api_key else None)
@@ -382,7 +388,7 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
         async_engine,
         tokenizer,
         ChatPrompter(tokenizer, template),
-        model_name,
+        model_names,
         core.info["max_model_len"],
         core.info["vocab_size"],
         options.api_key,

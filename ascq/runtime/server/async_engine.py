@@ -115,7 +115,9 @@ class AsyncEngine:
     def is_draining(self) -> bool:
         return self._drain_deadline is not None
 
-    async def submit(self, request_id: str, prompts: list[str | list[int]], params: Any) -> RequestGroup:
+    async def submit(
+        self, request_id: str, prompts: list[str | list[int]], params: Any, cache_salt: str | None = None
+    ) -> RequestGroup:
         """Submit one engine request per prompt; raises ValueError (a prompt does not fit, bad params) or
         APIError (draining / engine dead). Abort the group (or iterate it to the end) when done."""
         if self.is_draining or not self.is_alive:
@@ -132,7 +134,10 @@ class AsyncEngine:
             self._processor.add(sub_id, prompt if isinstance(prompt, str) else None, token_ids, params)
             admitted.append(self.loop.create_future())
             self._admitting[sub_id] = admitted[-1]
-            self._outbox.put(("add", sub_id, token_ids, params))
+            prompt_in = (
+                token_ids if cache_salt is None else {"prompt_token_ids": token_ids, "cache_salt": cache_salt}
+            )
+            self._outbox.put(("add", sub_id, prompt_in, params))
         try:
             await asyncio.wait(admitted)
             for future in admitted:
