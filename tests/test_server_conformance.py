@@ -237,3 +237,36 @@ def test_cache_salt_isolates_the_prefix_cache(tiny_llama_dir):
     assert cached({"prompt_token_ids": ids, "cache_salt": "alice"}) > 0
     assert cached({"prompt_token_ids": ids, "cache_salt": "bob"}) == 0
     assert cached({"prompt_token_ids": ids}) == 0
+
+
+VLLM_METRICS = (
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:iteration_tokens_total",
+    "vllm:time_per_output_token_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:cache_config_info",
+)
+
+
+def test_vllm_metrics_after_one_request(http):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = {"prompt": "import os", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    for name in VLLM_METRICS:
+        family = families.get(name) or families.get(name.removesuffix("_total"))
+        assert family is not None, f"{name} missing"
+        labels = family.samples[0].labels
+        assert labels.get("model_name") == "tiny" and labels.get("engine") == "0", (name, labels)
+    counts = {s.name: s.value for f in families.values() for s in f.samples if not s.labels.get("le")}
+    assert counts["vllm:request_queue_time_seconds_count"] >= 1
+    assert counts["vllm:request_decode_time_seconds_count"] >= 1
+    assert counts["vllm:prefix_cache_queries_total"] >= 2  # every prompt token is a query
+    config = families["vllm:cache_config_info"].samples[0].labels
+    assert config["block_size"] == "16" and config["enable_prefix_caching"] == "True"

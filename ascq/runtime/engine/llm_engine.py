@@ -83,6 +83,7 @@ class LLMEngine:
         self.texts: dict[int, OutputText] = {}  # id(sequence) -> its output text (when detokenizing)
         self.pending_outputs: list[RequestOutput] = []
         self.num_generation_tokens = 0
+        self.num_step_tokens = 0  # tokens the last step ran (vLLM's iteration_tokens_total)
 
     # ---- requests ----------------------------------------------------------------------------------------
 
@@ -160,6 +161,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self.pending_outputs = self.pending_outputs, []
         scheduled = self.scheduler.schedule()
+        self.num_step_tokens = sum(scheduled.num_scheduled_tokens)
         if not scheduled.requests:
             return outputs
         logits, sampling = self.runner.execute(scheduled)
@@ -263,6 +265,7 @@ class LLMEngine:
             finished=all(s.is_finished for s in sequences),
             num_cached_tokens=first.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs.get(id(first)),
+            first_scheduled_time=first.first_scheduled_time,
         )
 
     def _forget(self, request_id: str) -> None:
@@ -303,5 +306,6 @@ class LLMEngine:
             "num_generation_tokens": self.num_generation_tokens,
             "num_cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
             "num_computed_tokens": self.scheduler.num_tokens_run,
+            "num_step_tokens": self.num_step_tokens,
             **(self.speculator.stats() if self.speculator else spec_decode_stats()),
         }

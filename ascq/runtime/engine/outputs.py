@@ -25,3 +25,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (the first has none)
+    first_scheduled_time: float | None = None  # time.monotonic() when the request first left the queue

@@ -299,6 +299,12 @@ def describe_engine(engine: Any, model_name: str, options: ServeOptions) -> dict
     return {
         "max_model_len": engine.max_model_len,
         "vocab_size": engine.vocab_size,
+        "cache_config": {  # vllm:cache_config_info's labels
+            "block_size": engine.block_manager.block_size,
+            "num_gpu_blocks": engine.block_manager.num_blocks,
+            "cache_dtype": engine.args.kv_cache_dtype,
+            "enable_prefix_caching": engine.block_manager.enable_prefix_caching,
+        },
         "startup_lines": startup_lines(engine, model_name, options),
     }
 
@@ -382,7 +388,10 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
     # the event loop's own tokenizer copy
     tokenizer = AutoTokenizer.from_pretrained(str(engine_args.tokenizer or engine_args.model))
     async_engine = AsyncEngine(
-        core, tokenizer, ServerMetrics(model_name), stream_interval=options.stream_interval
+        core,
+        tokenizer,
+        ServerMetrics(model_name, core.info.get("cache_config")),
+        stream_interval=options.stream_interval,
     )
     app = create_app(
         async_engine,
