@@ -270,3 +270,31 @@ def test_vllm_metrics_after_one_request(http):
     assert counts["vllm:prefix_cache_queries_total"] >= 2  # every prompt token is a query
     config = families["vllm:cache_config_info"].samples[0].labels
     assert config["block_size"] == "16" and config["enable_prefix_caching"] == "True"
+
+
+def test_version_tokenizer_info_and_invocations(http, tokenizer):
+    version = http.get("/version").json()
+    assert version["version"] == version["vllm_api_version"] and version["ascq_version"]
+    info = http.get("/tokenizer_info").json()
+    assert info["vocab_size"] == len(tokenizer) and info["eos_token"] == tokenizer.eos_token
+    assert info["chat_template"] == TEMPLATE and info["model_max_length"] == 512
+    chat_body = {"messages": MESSAGES, "max_tokens": 2}
+    assert http.post("/invocations", json=chat_body).json()["object"] == "chat.completion"
+    assert (
+        http.post("/invocations", json={"prompt": "a", "max_tokens": 2}).json()["object"] == "text_completion"
+    )
+    assert http.post("/invocations", json={"input": "a"}).status_code == 400
+    unauthorized = httpx.post(
+        str(http.base_url).rstrip("/") + "/invocations", json={"prompt": "a"}, timeout=10
+    )
+    assert unauthorized.status_code == 401
+
+
+def test_completion_top_logprobs_include_the_sampled_token(http):
+    """vLLM's completions: each top_logprobs dict holds the top-n and the sampled token."""
+    body = {"prompt": "import os\n", "max_tokens": 8, "temperature": 1.5, "seed": 3, "logprobs": 1}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=True):
+        assert token in top and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in logprobs["top_logprobs"])  # sampled below the top-1 at least once

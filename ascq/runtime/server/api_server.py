@@ -34,6 +34,7 @@ from ascq.runtime.server.async_engine import ENGINE_DEAD_MESSAGE, AsyncEngine
 from ascq.runtime.server.chat_template import ChatPrompter
 from ascq.runtime.server.listen import bind_socket
 from ascq.runtime.server.protocol import (
+    VLLM_API_VERSION,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -82,7 +83,16 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": __version__}
+        # `version` is the vLLM API this server follows (clients compare it); ascq's own beside it
+        return {
+            "version": VLLM_API_VERSION,
+            "vllm_api_version": VLLM_API_VERSION,
+            "ascq_version": __version__,
+        }
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return serving.tokenizer_info()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -119,10 +129,26 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         body = await parse_body(request, ChatCompletionRequest)
         return await serving.chat_completions(body, request)
 
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one route: routed by the body's shape, as vLLM does (messages: chat; prompt:
+        completions)."""
+        data = await read_json_object(request)
+        if "messages" in data:
+            return await serving.chat_completions(validate_body(data, ChatCompletionRequest), request)
+        if "prompt" in data:
+            return await serving.completions(validate_body(data, CompletionRequest), request)
+        raise APIError(400, "/invocations needs a chat (messages) or completions (prompt) request body")
+
 
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
     """The request body as `model`, or an APIError: 413 too large, 400 not UTF-8 / not JSON / invalid
     fields."""
+    return validate_body(await read_json_object(request), model)
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object, or an APIError: 413 too large, 400 not UTF-8 / not JSON."""
     declared = request.headers.get("content-length", "0")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise APIError(
@@ -156,6 +182,11 @@ async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
         raise APIError(400, "request body JSON is nested too deeply") from exc
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    return data
+
+
+def validate_body(data: dict[str, Any], model: type[ModelT]) -> ModelT:
+    """`data` as `model`, or a 400 APIError naming the first invalid field."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -174,7 +205,7 @@ def _is_union_tag(loc_part: str | int) -> bool:
     return isinstance(loc_part, str) and (loc_part in ("str", "int", "float", "bool") or "[" in loc_part)
 
 
-PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
 
 
 class ApiKeyMiddleware:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 logger = logging.getLogger("ascq.serve")
 
+VLLM_API_VERSION = "0.11.0"  # the vLLM release whose OpenAI server behaviour this one follows (GET /version)
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_BATCH = 2048  # prompts in one /v1/completions request, OpenAI's limit

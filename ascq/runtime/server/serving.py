@@ -94,6 +94,22 @@ class OpenAIServing:
         self._check_model(model_id)
         return self.model_card(model_id)
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: what a client needs to tokenize as the server does."""
+        tok = self.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "vocab_size": self.vocab_size,
+            "model_max_length": self.max_model_len,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "add_bos_token": getattr(tok, "add_bos_token", None),
+            "chat_template": self.prompter.template,
+            "clean_up_tokenization_spaces": getattr(tok, "clean_up_tokenization_spaces", None),
+        }
+
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self._check_model(body.model)
         if body.messages is not None:
