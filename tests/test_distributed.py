@@ -182,7 +182,7 @@ def test_kill_9_of_rank_0_leaves_no_worker(tiny_llama_dir: Path, tmp_path: Path)
         workers = [
             c
             for c in psutil.Process(rank0.pid).children(recursive=True)
-            if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())
+            if "ascq.runtime.executor.worker" in " ".join(c.cmdline())
         ]
         assert workers
         rank0.send_signal(signal.SIGKILL)

@@ -1,11 +1,12 @@
 """Multi-process executor: rank 0 schedules and samples, ranks 1..N-1 run the same model step on their shard.
 
-One process per rank (`spawn`), joined in one torch.distributed process group (gloo on CPU, nccl on CUDA, hccl
-on Ascend through torch_npu) by tcp:// rendezvous at `master_addr:master_port`, or env:// under torchrun.
-Every step rank 0 broadcasts the step's inputs (token ids, positions, slot mapping, block tables, which rows
-to sample, the micro-batch split) as one pickled object over a gloo group (`broadcast_object_list`; on CPU
-this is the only metadata path that needs no shared memory across nodes), then every rank runs the model. Rank
-0 broadcasts None to stop the workers. Workers watch their parent and exit when it dies (process_watch.py).
+One process per rank (`python -m ascq.runtime.executor.worker`, see worker.py), joined in one
+torch.distributed process group (gloo on CPU, nccl on CUDA, hccl on Ascend through torch_npu) by tcp://
+rendezvous at `master_addr:master_port`, or env:// under torchrun. Every step rank 0 broadcasts the step's
+inputs (token ids, positions, slot mapping, block tables, which rows to sample, the micro-batch split) as one
+pickled object over a gloo group (`broadcast_object_list`; on CPU this is the only metadata path that needs no
+shared memory across nodes), then every rank runs the model. Rank 0 broadcasts None to stop the workers.
+Workers watch their parent and exit when it dies (process_watch.py).
 
 Initialisation is the same sequence of collectives on every rank (`init_rank`): join, load the shard, agree on
 the largest per-rank KV block size, take rank 0's block count, allocate the cache.
@@ -15,9 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
+import subprocess
 import sys
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +42,7 @@ from ascq.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("ascq.distributed")
 WORKER_JOIN_S = 5.0
+WATCH_INTERVAL_S = 0.2  # how often rank 0 checks its workers while the ranks start
 
 
 @dataclass
@@ -205,32 +211,87 @@ def run_node(args: Any) -> None:
         raise AscqError(f"node {args.node_rank}: worker exit codes {codes}")
 
 
+class WorkerProcess:
+    """One rank's process, started from the module entry point `ascq.runtime.executor.worker`."""
+
+    def __init__(self, name: str, start_args: tuple) -> None:
+        self.name = name
+        package_root = str(Path(__file__).resolve().parents[3])  # where the ascq this process runs lives
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        )
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "ascq.runtime.executor.worker"], stdin=subprocess.PIPE, env=env
+        )
+        try:
+            self.popen.stdin.write(pickle.dumps(start_args))
+            self.popen.stdin.close()
+        except BrokenPipeError:  # it died at once; is_alive() says so
+            pass
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout_s: float | None) -> None:
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+
 def spawn_workers(
     args: Any, config: dict[str, Any], dtype: torch.dtype, init_method: str, ranks: range, local_world: int
-) -> list:
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    processes = []
-    for rank in ranks:
-        info = RankInfo(rank, rank % local_world, init_method)
-        process = context.Process(
-            target=run_worker,
-            args=(args, config, dtype, info, os.getpid()),
-            name=f"ascq-rank-{rank}",
-            daemon=True,
+) -> list[WorkerProcess]:
+    return [
+        WorkerProcess(
+            f"ascq-rank-{rank}",
+            (args, config, dtype, RankInfo(rank, rank % local_world, init_method), os.getpid()),
         )
-        process.start()
-        processes.append(process)
-    return processes
+        for rank in ranks
+    ]
 
 
-def join_or_kill(process: Any, timeout_s: float | None) -> int:
+def join_or_kill(process: WorkerProcess, timeout_s: float | None) -> int:
     process.join(timeout_s)
     if process.is_alive():
         process.kill()
         process.join(WORKER_JOIN_S)
     return process.exitcode or 0
+
+
+def watched(processes: list[WorkerProcess], work: Any, what: str) -> Any:
+    """`work()` in a thread while this one watches the workers: a worker that exits first is a one-line
+    AscqError here within WATCH_INTERVAL_S (rank 0 would otherwise wait for it until the group's timeout)."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = work()
+        except BaseException as exc:  # re-raised in the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, name="ascq-rank0-init", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(WATCH_INTERVAL_S)
+        dead = [p for p in processes if not p.is_alive()]
+        if dead and thread.is_alive():
+            codes = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+            raise AscqError(f"{what}: worker {codes} exited; see its output above")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 # ---- rank 0 ----------------------------------------------------------------------------------------------
@@ -261,7 +322,11 @@ class MultiprocExecutor:
                 args, config, dtype, init_method, range(1, local_world), local_world
             )
         try:
-            self.rank = init_rank(args, config, dtype, RankInfo(0, 0, init_method), num_blocks_for_bytes)
+            self.rank = watched(
+                self.processes,
+                lambda: init_rank(args, config, dtype, RankInfo(0, 0, init_method), num_blocks_for_bytes),
+                "the ranks did not start",
+            )
         except BaseException:
             self.shutdown()
             raise
