@@ -17,16 +17,26 @@ from ascq import envs
 from ascq.core.errors import AscqError
 from ascq.paths import DEFAULT_MAX_EVAL_TOKENS
 
+# plain help text (no rich markup: `[gguf]` stays literal) wide enough that no option name is cut
+HELP_SETTINGS = {
+    "rich_markup_mode": None,
+    "context_settings": {"max_content_width": 120, "terminal_width": 120},
+}
 app = typer.Typer(
     name="ascq",
     help="Quantize Hugging Face LLM checkpoints into a model zoo and serve them (Ascend NPU, CUDA, CPU).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    **HELP_SETTINGS,
 )
-zoo_app = typer.Typer(help="List, inspect, verify, document and pull zoo entries.", no_args_is_help=True)
+zoo_app = typer.Typer(
+    help="List, inspect, verify, document and pull zoo entries.", no_args_is_help=True, **HELP_SETTINGS
+)
 bench_app = typer.Typer(
-    help="Benchmarks: offline latency / throughput, or a running server.", no_args_is_help=True
+    help="Benchmarks: offline latency / throughput, or a running server.",
+    no_args_is_help=True,
+    **HELP_SETTINGS,
 )
 app.add_typer(zoo_app, name="zoo")
 MaxNumSeqs = Annotated[

@@ -155,3 +155,12 @@ def test_card_of_the_planned_entry_shows_the_plan() -> None:
     assert card.data.license_name == "deepseek" and card.data.base_model == deepseek_moe_16b.SOURCE
     assert "| `awq-int4` | `w4a16` | 8.8 GiB | 9.7 GiB | 22.8 GiB |" in card.text
     assert deepseek_moe_16b.COMMANDS["convert"] in card.text and "scheme: W4A16_ASYM" in card.text
+
+
+def test_zoo_list_shows_a_plan_as_a_plan() -> None:
+    from ascq.zoo.listing import format_table, list_entries
+
+    rows = [
+        line for line in format_table(list_entries(ENTRY.parent)).splitlines() if line.startswith(ENTRY.name)
+    ]
+    assert len(rows) == 1 and "plan (no weights)" in rows[0]

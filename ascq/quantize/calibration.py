@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -66,10 +67,20 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
 
 
 def load_texts(source: str | Path | None) -> tuple[str, list[str]]:
-    """(dataset label, documents) of a local file/folder or a Hub dataset id."""
+    """(dataset label, documents) of a local file/folder or a Hub dataset id, without datasets' own progress
+    bars (convert reports its steps itself)."""
     import datasets
 
-    source = str(source or CALIB_TEXT)
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return _load_texts(datasets, str(source or CALIB_TEXT))
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+
+def _load_texts(datasets: Any, source: str) -> tuple[str, list[str]]:
     path = Path(source)
     try:
         if path.exists():

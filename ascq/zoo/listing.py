@@ -32,12 +32,13 @@ def _row(manifest: dict[str, Any]) -> tuple[str, ...]:
     delta = f"{100 * (ppl / base - 1):+.2f}%" if ppl and base else "-"
     recipe = manifest.get("recipe") or {}
     size = sum(f["size"] for f in (manifest.get("files") or {}).values())
+    planned = manifest.get("planned") is not None  # config and sizes only: `zoo show` names the command
     return (
         manifest.get("name", "?"),
         manifest.get("base_model") or "-",
         "+".join(recipe.get("names", [])) or "-",
-        manifest.get("format", "?"),
-        _human_size(size) if size else "-",
+        "plan (no weights)" if planned else manifest.get("format", "?"),
+        "-" if planned else (_human_size(size) if size else "-"),
         f"{ppl:.3f}" if ppl else "-",
         delta,
     )
