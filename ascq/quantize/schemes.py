@@ -344,7 +344,8 @@ def fit_group_sizes(
                 scale_dtype,
             )
             if planned is not None:
-                update["zp_dtype"], zp_from = planned, "source"
+                on_source_blocks = source_float_min and fitted is not None and fitted == source_block_size
+                update["zp_dtype"], zp_from = planned, "source" if on_source_blocks else "recipe"
         if fitted is None and zp_from is not None:
             raise UnsupportedError(
                 f"{recipe_scheme.owner} {key}: float zero points need a group size that divides "
