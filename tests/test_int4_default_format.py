@@ -1,9 +1,9 @@
 """The default int4 recipes (awq-int4, w4a16-gptq, w4a16-rtn, no extra flags) write what vLLM's
 compressed-tensors W4A16 path reads: `pack-quantized`, int32 `weight_packed`, integer zero points packed
-into int32 along the output dim, `weight_shape`, the recipe's group size (fitted only where a width forces it),
-also from a GGUF Q4_1 source whose float block minima only the explicit source-grid mode keeps. transformers
-(compressed-tensors decompressing the entry) and ascq's runtime give the same greedy tokens in fp32. The card
-states the bits per weight, checked against the arithmetic of the format."""
+into int32 along the output dim, `weight_shape`, the recipe's group size (fitted only where a width forces
+it), also from a GGUF Q4_1 source whose float block minima only the explicit source-grid mode keeps.
+transformers (compressed-tensors decompressing the entry) and ascq's runtime give the same greedy tokens in
+fp32. The card states the bits per weight, checked against the arithmetic of the format."""
 
 from __future__ import annotations
 
