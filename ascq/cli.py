@@ -439,7 +439,11 @@ def serve(
         ),
     ] = None,
     served_model_name: Annotated[
-        str | None, typer.Option(help="Model name clients use (default: MODEL).")
+        list[str] | None,
+        typer.Option(
+            help="Name(s) clients use for the model, vLLM's `--served-model-name a b` (default: MODEL "
+            "as given)."
+        ),
     ] = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     max_num_seqs: MaxNumSeqs = None,
@@ -513,7 +517,7 @@ def serve(
         host=host,
         port=port,
         api_key=api_key or os.environ.get("VLLM_API_KEY") or envs.ASCQ_API_KEY,
-        served_model_name=served_model_name,
+        served_model_name=served_model_name or [model],  # the argument as typed, before it is resolved
         chat_template=chat_template,
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
@@ -540,7 +544,7 @@ def serve(
         kv_cache_dtype=kv_cache_dtype,
         kv_cache_memory=kv_cache_memory,
         seed=seed,
-        served_model_name=served_model_name,
+        served_model_name=options.served_model_name[0],
         gpu_memory_utilization=gpu_memory_utilization,
         enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching,
@@ -758,9 +762,33 @@ def bench_latency(
 INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT); SIGTERM gives 143
 
 
+# vLLM flags that take several values after one flag (argparse nargs='+'); typer repeats the flag instead
+MULTI_VALUE_FLAGS = ("--served-model-name",)
+
+
+def expand_multi_value_flags(argv: list[str]) -> list[str]:
+    """`--served-model-name a b --port 1` -> `--served-model-name a --served-model-name b --port 1`."""
+    out: list[str] = []
+    flag = None
+    for arg in argv:
+        if arg in MULTI_VALUE_FLAGS:
+            flag = arg
+            out.append(arg)
+            continue
+        if flag is not None and not arg.startswith("-"):
+            if out[-1] != flag:
+                out.append(flag)
+            out.append(arg)
+            continue
+        flag = None
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; user errors are printed as one line `error: ...` with a non-zero exit code."""
     try:
+        argv = expand_multi_value_flags(sys.argv[1:] if argv is None else argv)
         exit_code = app(args=argv, standalone_mode=False)  # click returns a command's typer.Exit code here
         if exit_code == INTERRUPTED:  # typer turns KeyboardInterrupt into Exit(130) and returns it
             raise KeyboardInterrupt

@@ -47,9 +47,9 @@ class OutputDelta:
     finished: bool
     num_cached_tokens: int
     completions: list[CompletionDelta]
-    prompt_logprobs: list[dict[int, float] | None] | None = (
-        None  # sent once, with the first delta that has them
-    )
+    # sent once, with the first delta that has them
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    first_scheduled_time: float | None = None  # time.monotonic(): comparable across the server's processes
 
 
 class DeltaEncoder:
@@ -82,7 +82,12 @@ class DeltaEncoder:
         if output.finished:
             del self.sent[output.request_id]
         return OutputDelta(
-            output.request_id, output.finished, output.num_cached_tokens, completions, prompt_logprobs
+            output.request_id,
+            output.finished,
+            output.num_cached_tokens,
+            completions,
+            prompt_logprobs,
+            output.first_scheduled_time,
         )
 
 

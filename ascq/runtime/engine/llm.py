@@ -15,7 +15,7 @@ from ascq.runtime.sampling.sampling_params import SamplingParams
 # vLLM's prompt shapes: a string, a token id list, TextPrompt {"prompt": str}, TokensPrompt
 # {"prompt_token_ids": [...]}
 PromptType = str | list[int] | dict[str, Any]
-PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
 def engine_args_from_kwargs(model: str, kwargs: dict[str, Any]) -> EngineArgs:
@@ -30,16 +30,23 @@ def engine_args_from_kwargs(model: str, kwargs: dict[str, Any]) -> EngineArgs:
     return EngineArgs(model=model, **kwargs)
 
 
-def parse_prompt(prompt: PromptType) -> str | list[int]:
-    """The text or token ids of one vLLM-style prompt."""
+def parse_prompt(prompt: PromptType) -> str | list[int] | dict[str, Any]:
+    """The text or token ids of one vLLM-style prompt (a dict with its `cache_salt` when it has one)."""
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, dict):
         unknown = set(prompt) - PROMPT_KEYS
         if unknown:
             raise ValueError(
-                f"prompt dict keys {sorted(unknown)} are not supported; supported: prompt, prompt_token_ids"
+                f"prompt dict keys {sorted(unknown)} are not supported; supported: "
+                f"{', '.join(sorted(PROMPT_KEYS))}"
             )
+        if prompt.get("cache_salt") is not None:
+            if not isinstance(prompt["cache_salt"], str) or not prompt["cache_salt"]:
+                raise ValueError("cache_salt must be a non-empty string")
+            inner = parse_prompt({k: v for k, v in prompt.items() if k != "cache_salt"})
+            key = "prompt" if isinstance(inner, str) else "prompt_token_ids"
+            return {key: inner, "cache_salt": prompt["cache_salt"]}
         if "prompt_token_ids" in prompt:
             return parse_prompt(list(prompt["prompt_token_ids"]))
         if "prompt" in prompt:
@@ -55,7 +62,7 @@ def parse_prompt(prompt: PromptType) -> str | list[int]:
     )
 
 
-def as_prompt_list(prompts: PromptType | list[PromptType]) -> list[str | list[int]]:
+def as_prompt_list(prompts: PromptType | list[PromptType]) -> list[str | list[int] | dict[str, Any]]:
     if isinstance(prompts, str | dict) or (
         isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)
     ):

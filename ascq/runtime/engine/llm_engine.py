@@ -83,15 +83,22 @@ class LLMEngine:
         self.texts: dict[int, OutputText] = {}  # id(sequence) -> its output text (when detokenizing)
         self.pending_outputs: list[RequestOutput] = []
         self.num_generation_tokens = 0
+        self.num_step_tokens = 0  # tokens the last step ran (vLLM's iteration_tokens_total)
 
     # ---- requests ----------------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams | None = None
     ) -> None:
+        """`prompt`: text, token ids, or vLLM's TokensPrompt dict {"prompt_token_ids": [...], "cache_salt":
+        str} (requests share cached prefix blocks only with requests of the same salt)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        cache_salt = None
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids, params)
@@ -105,7 +112,7 @@ class LLMEngine:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator().manual_seed(params.seed + index)
-            sequences.append(Request(request_id, text, token_ids, params, generator, index))
+            sequences.append(Request(request_id, text, token_ids, params, generator, index, cache_salt))
         self.requests[request_id] = sequences
         for sequence in sequences:
             if self.detokenize:
@@ -154,6 +161,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self.pending_outputs = self.pending_outputs, []
         scheduled = self.scheduler.schedule()
+        self.num_step_tokens = sum(scheduled.num_scheduled_tokens)
         if not scheduled.requests:
             return outputs
         logits, sampling = self.runner.execute(scheduled)
@@ -257,6 +265,7 @@ class LLMEngine:
             finished=all(s.is_finished for s in sequences),
             num_cached_tokens=first.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs.get(id(first)),
+            first_scheduled_time=first.first_scheduled_time,
         )
 
     def _forget(self, request_id: str) -> None:
@@ -297,5 +306,6 @@ class LLMEngine:
             "num_generation_tokens": self.num_generation_tokens,
             "num_cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
             "num_computed_tokens": self.scheduler.num_tokens_run,
+            "num_step_tokens": self.num_step_tokens,
             **(self.speculator.stats() if self.speculator else spec_decode_stats()),
         }

@@ -95,6 +95,7 @@ class OutputProcessor:
             finished,
             delta.num_cached_tokens,
             request.prompt_logprobs,
+            delta.first_scheduled_time,
         )
         return output, stopped
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -25,3 +25,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (the first has none)
+    # time.monotonic() when the request first left the queue: timing, not part of the output's value
+    first_scheduled_time: float | None = field(default=None, compare=False)

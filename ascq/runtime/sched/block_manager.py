@@ -29,6 +29,14 @@ def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
+def root_key(request: Request) -> bytes:
+    """The parent key of a request's first block: ROOT_KEY, or ROOT_KEY salted with its `cache_salt` (so
+    requests with different salts never share cached blocks, vLLM's cache_salt)."""
+    if request.cache_salt is None:
+        return ROOT_KEY
+    return hashlib.sha256(ROOT_KEY + request.cache_salt.encode()).digest()
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -60,7 +68,7 @@ class BlockManager:
     def _hash_blocks(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = request.block_hashes
         while len(hashes) < num_full_blocks:
-            parent = hashes[-1] if hashes else ROOT_KEY
+            parent = hashes[-1] if hashes else root_key(request)
             hashes.append(block_key(parent, self._block_tokens(request, len(hashes))))
         return hashes[:num_full_blocks]
 
@@ -75,7 +83,7 @@ class BlockManager:
             self._hash_blocks(request, (request.num_tokens - 1) // self.block_size)
         ):
             block_id = self.cached_blocks.get(block_hash)
-            parent = request.block_hashes[i - 1] if i else ROOT_KEY
+            parent = request.block_hashes[i - 1] if i else root_key(request)
             if block_id is None or self.block_content[block_id] != (parent, self._block_tokens(request, i)):
                 break
             hits.append(block_id)
@@ -121,7 +129,7 @@ class BlockManager:
             if self.block_hash[block_id] is None and block_hash not in self.cached_blocks:
                 self.block_hash[block_id] = block_hash
                 self.block_content[block_id] = (
-                    hashes[i - 1] if i else ROOT_KEY,
+                    hashes[i - 1] if i else root_key(request),
                     self._block_tokens(request, i),
                 )
                 self.cached_blocks[block_hash] = block_id

@@ -24,8 +24,12 @@ class Request:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         index: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # vLLM's: requests share cached prefix blocks only with the same salt
+        self.cache_salt = cache_salt
+        self.first_scheduled_time: float | None = None  # time.monotonic() when it first left the queue
         self.prompt = prompt
         self.params = params
         self.generator = generator

@@ -13,6 +13,7 @@ remaining tokens when the budget and the blocks allow (else it runs without them
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -81,6 +82,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
+                request.first_scheduled_time = time.monotonic()  # vLLM's queue / prefill time metrics
                 request.num_cached_tokens = num_cached
                 self.num_prompt_tokens += request.num_prompt_tokens
                 self.num_cached_prompt_tokens += num_cached

@@ -34,6 +34,7 @@ from ascq.runtime.server.async_engine import ENGINE_DEAD_MESSAGE, AsyncEngine
 from ascq.runtime.server.chat_template import ChatPrompter
 from ascq.runtime.server.listen import bind_socket
 from ascq.runtime.server.protocol import (
+    VLLM_API_VERSION,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,7 +53,7 @@ def create_app(
     engine: AsyncEngine,
     tokenizer: Any,
     prompter: ChatPrompter,
-    model_name: str,
+    model_names: list[str] | str,
     max_model_len: int,
     vocab_size: int,
     api_key: str | None = None,
@@ -65,7 +66,7 @@ def create_app(
         engine.stop()
 
     app = FastAPI(title="ascq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
-    serving = OpenAIServing(engine, tokenizer, prompter, model_name, max_model_len, vocab_size, tool_options)
+    serving = OpenAIServing(engine, tokenizer, prompter, model_names, max_model_len, vocab_size, tool_options)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(EngineDeadMiddleware, engine=engine)
     app.add_exception_handler(APIError, _api_error_response)
@@ -82,7 +83,16 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": __version__}
+        # `version` is the vLLM API this server follows (clients compare it); ascq's own beside it
+        return {
+            "version": VLLM_API_VERSION,
+            "vllm_api_version": VLLM_API_VERSION,
+            "ascq_version": __version__,
+        }
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return serving.tokenizer_info()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -119,10 +129,26 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         body = await parse_body(request, ChatCompletionRequest)
         return await serving.chat_completions(body, request)
 
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one route: routed by the body's shape, as vLLM does (messages: chat; prompt:
+        completions)."""
+        data = await read_json_object(request)
+        if "messages" in data:
+            return await serving.chat_completions(validate_body(data, ChatCompletionRequest), request)
+        if "prompt" in data:
+            return await serving.completions(validate_body(data, CompletionRequest), request)
+        raise APIError(400, "/invocations needs a chat (messages) or completions (prompt) request body")
+
 
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
     """The request body as `model`, or an APIError: 413 too large, 400 not UTF-8 / not JSON / invalid
     fields."""
+    return validate_body(await read_json_object(request), model)
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object, or an APIError: 413 too large, 400 not UTF-8 / not JSON."""
     declared = request.headers.get("content-length", "0")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise APIError(
@@ -156,6 +182,11 @@ async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
         raise APIError(400, "request body JSON is nested too deeply") from exc
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    return data
+
+
+def validate_body(data: dict[str, Any], model: type[ModelT]) -> ModelT:
+    """`data` as `model`, or a 400 APIError naming the first invalid field."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -174,7 +205,7 @@ def _is_union_tag(loc_part: str | int) -> bool:
     return isinstance(loc_part, str) and (loc_part in ("str", "int", "float", "bool") or "[" in loc_part)
 
 
-PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
 
 
 class ApiKeyMiddleware:
@@ -244,7 +275,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: list[str] | str | None = None  # the first is the one responses carry
     chat_template: str | None = None
     log_level: str = "info"
     enable_auto_tool_choice: bool = False
@@ -253,6 +284,11 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         from ascq.runtime.server.tool_calls import TOOL_CALL_PARSERS
+
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and not all(n.strip() for n in self.served_model_name):
+            raise AscqError("--served-model-name must not be empty")
 
         if not 0 <= self.port <= 65535:
             raise AscqError(f"--port must be in [0, 65535], got {self.port}")
@@ -294,6 +330,12 @@ def describe_engine(engine: Any, model_name: str, options: ServeOptions) -> dict
     return {
         "max_model_len": engine.max_model_len,
         "vocab_size": engine.vocab_size,
+        "cache_config": {  # vllm:cache_config_info's labels
+            "block_size": engine.block_manager.block_size,
+            "num_gpu_blocks": engine.block_manager.num_blocks,
+            "cache_dtype": engine.args.kv_cache_dtype,
+            "enable_prefix_caching": engine.block_manager.enable_prefix_caching,
+        },
         "startup_lines": startup_lines(engine, model_name, options),
     }
 
@@ -364,7 +406,8 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     template = load_chat_template(options.chat_template)
-    model_name = options.served_model_name or engine_args.served_model_name or str(engine_args.model)
+    model_names = options.served_model_name or [engine_args.served_model_name or str(engine_args.model)]
+    model_name = model_names[0]
     options.port = sock.getsockname()[1]
     # the engine process checks the KV cache and describes itself (api_key: only whether there is one)
     described = dataclasses.replace(options, api_key="set" if options.api_key else None)
@@ -376,13 +419,16 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
     # the event loop's own tokenizer copy
     tokenizer = AutoTokenizer.from_pretrained(str(engine_args.tokenizer or engine_args.model))
     async_engine = AsyncEngine(
-        core, tokenizer, ServerMetrics(model_name), stream_interval=options.stream_interval
+        core,
+        tokenizer,
+        ServerMetrics(model_name, core.info.get("cache_config")),
+        stream_interval=options.stream_interval,
     )
     app = create_app(
         async_engine,
         tokenizer,
         ChatPrompter(tokenizer, template),
-        model_name,
+        model_names,
         core.info["max_model_len"],
         core.info["vocab_size"],
         options.api_key,

@@ -38,6 +38,8 @@ class _Tracked:
 
     out: asyncio.Queue
     arrival: float
+    first_scheduled: float | None = None  # from the core (time.monotonic() is system-wide)
+    first_token_time: float | None = None
     last_token_time: float | None = None
     num_tokens: int = 0
     num_streamed_tokens: int | None = None  # tokens in the last output handed to the stream; None: none yet
@@ -115,7 +117,9 @@ class AsyncEngine:
     def is_draining(self) -> bool:
         return self._drain_deadline is not None
 
-    async def submit(self, request_id: str, prompts: list[str | list[int]], params: Any) -> RequestGroup:
+    async def submit(
+        self, request_id: str, prompts: list[str | list[int]], params: Any, cache_salt: str | None = None
+    ) -> RequestGroup:
         """Submit one engine request per prompt; raises ValueError (a prompt does not fit, bad params) or
         APIError (draining / engine dead). Abort the group (or iterate it to the end) when done."""
         if self.is_draining or not self.is_alive:
@@ -132,7 +136,10 @@ class AsyncEngine:
             self._processor.add(sub_id, prompt if isinstance(prompt, str) else None, token_ids, params)
             admitted.append(self.loop.create_future())
             self._admitting[sub_id] = admitted[-1]
-            self._outbox.put(("add", sub_id, token_ids, params))
+            prompt_in = (
+                token_ids if cache_salt is None else {"prompt_token_ids": token_ids, "cache_salt": cache_salt}
+            )
+            self._outbox.put(("add", sub_id, prompt_in, params))
         try:
             await asyncio.wait(admitted)
             for future in admitted:
@@ -211,6 +218,9 @@ class AsyncEngine:
             tracked = self._tracked.get(delta.request_id)
             if tracked is None:  # aborted meanwhile
                 continue
+            if tracked.first_scheduled is None and delta.first_scheduled_time is not None:
+                tracked.first_scheduled = delta.first_scheduled_time
+                self.metrics.queue_time.observe(max(0.0, tracked.first_scheduled - tracked.arrival))
             output, stopped = self._processor.process(delta)
             for index, stop_string in stopped:  # a stop string ended it here: the core stops generating it
                 self._outbox.put(("finish", delta.request_id, index, stop_string))
@@ -221,6 +231,7 @@ class AsyncEngine:
             if output.finished:
                 del self._tracked[output.request_id]
                 self.metrics.e2e.observe(now - tracked.arrival)
+                self._observe_phases(tracked, now)
                 reasons = {o.finish_reason for o in output.outputs}
                 self.metrics.observe_finished("stop" if "stop" in reasons else (reasons.pop() or "unknown"))
 
@@ -230,6 +241,20 @@ class AsyncEngine:
             return True
         return tracked.num_tokens - tracked.num_streamed_tokens >= self.stream_interval
 
+    def _observe_phases(self, tracked: _Tracked, now: float) -> None:
+        """vLLM's per-request phase histograms, once the request finished."""
+        if tracked.first_scheduled is not None:
+            self.metrics.inference_time.observe(max(0.0, now - tracked.first_scheduled))
+            if tracked.first_token_time is not None:
+                self.metrics.prefill_time.observe(
+                    max(0.0, tracked.first_token_time - tracked.first_scheduled)
+                )
+        if tracked.first_token_time is not None:
+            decode = now - tracked.first_token_time
+            self.metrics.decode_time.observe(decode)
+            if tracked.num_tokens > 1:
+                self.metrics.request_tpot.observe(decode / (tracked.num_tokens - 1))
+
     def _observe_latency(self, tracked: _Tracked, output: Any, now: float) -> None:
         num_tokens = sum(len(o.token_ids) for o in output.outputs)
         num_new = num_tokens - tracked.num_tokens
@@ -237,11 +262,13 @@ class AsyncEngine:
             return
         if tracked.last_token_time is None:
             self.metrics.ttft.observe(now - tracked.arrival)
+            tracked.first_token_time = now
             num_new, gap = num_new - 1, 0.0
         else:  # several tokens in one step share the step's time
             gap = (now - tracked.last_token_time) / num_new
         for _ in range(num_new):
             self.metrics.itl.observe(gap)
+            self.metrics.tpot.observe(gap)
         tracked.last_token_time = now
         tracked.num_tokens = num_tokens
 

@@ -40,7 +40,14 @@ class ChatPrompter:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        documents: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
+        """The prompt's token ids: the template rendered (vLLM's chat fields: `continue_final_message`,
+        `documents`, `chat_template_kwargs` as `template_kwargs`), then tokenized with special tokens only
+        when `add_special_tokens` (the template writes its own)."""
         if not self.template:
             raise APIError(
                 400,
@@ -53,7 +60,10 @@ class ChatPrompter:
                 chat_template=self.template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tools=tools,
+                documents=documents,
+                **(template_kwargs or {}),
             )
         except (
             jinja2.TemplateError,
@@ -61,4 +71,4 @@ class ChatPrompter:
             ValueError,
         ) as exc:  # templates reject conversations (role order)
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]

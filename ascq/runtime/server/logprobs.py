@@ -31,7 +31,7 @@ class LogprobFormatter:
             text = self._text(token_id)
             result.tokens.append(text)
             result.token_logprobs.append(finite(step[token_id]) if step and token_id in step else None)
-            result.top_logprobs.append(self._top_dict(step, top_n) if step else None)
+            result.top_logprobs.append(self._top_dict(step, top_n, token_id) if step else None)
             result.text_offset.append(text_offset)
             text_offset += len(text)
         return result
@@ -79,11 +79,15 @@ class LogprobFormatter:
             content.append(TokenLogprob(**sampled.model_dump(), top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    def _top_dict(self, step: dict[int, float], top_n: int) -> dict[str, float]:
+    def _top_dict(self, step: dict[int, float], top_n: int, sampled: int) -> dict[str, float]:
+        """The top-n alternatives and, as vLLM's completions do, the sampled token when it is not among
+        them."""
         top: dict[str, float] = {}
         # distinct ids may decode alike (partial UTF-8): keep the best
         for token_id, logprob in _top(step, top_n):
             top.setdefault(self._text(token_id), finite(logprob))
+        if sampled in step:
+            top.setdefault(self._text(sampled), finite(step[sampled]))
         return top
 
     def _text(self, token_id: int) -> str:

@@ -11,6 +11,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+ENGINE_INDEX = "0"
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
 TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -54,33 +57,36 @@ ITL_BUCKETS = (
     20.0,
 )
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
-# engine counter (cumulative in get_stats) -> prometheus counter attribute
+# engine counter (cumulative in get_stats) -> the prometheus counter attributes it feeds (vLLM counts every
+# prompt token as a prefix-cache query)
 ENGINE_COUNTERS = {
-    "num_prompt_tokens": "prompt_tokens",
-    "num_generation_tokens": "generation_tokens",
-    "num_preemptions": "preemptions",
-    "spec_decode_num_drafts": "spec_num_drafts",
-    "spec_decode_num_draft_tokens": "spec_num_draft_tokens",
-    "spec_decode_num_accepted_tokens": "spec_num_accepted_tokens",
+    "num_prompt_tokens": ("prompt_tokens", "prefix_cache_queries"),
+    "num_generation_tokens": ("generation_tokens",),
+    "num_cached_prompt_tokens": ("prefix_cache_hits",),
+    "num_preemptions": ("preemptions",),
+    "spec_decode_num_drafts": ("spec_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_num_accepted_tokens",),
 }
 
 
 class ServerMetrics:
     """One registry per server, so several servers (or tests) in one process do not collide."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_config: dict[str, Any] | None = None) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]  # vLLM's labels; one engine core, index 0
+        values = (model_name, ENGINE_INDEX)
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
+            return Gauge(name, doc, labels, registry=r).labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+            return Counter(name, doc, labels, registry=r).labels(*values)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
         self.num_running = gauge("vllm:num_requests_running", "Requests in the engine's running batch.")
         self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -109,10 +115,47 @@ class ServerMetrics:
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS
         )
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Arrival to first scheduled.", E2E_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds", "First scheduled to first token.", E2E_BUCKETS
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "First token to finish.", E2E_BUCKETS
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds", "First scheduled to finish.", E2E_BUCKETS
+        )
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "A request's decode time per token after the first.",
+            ITL_BUCKETS,
+        )
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time between consecutive tokens (vLLM's older name).",
+            ITL_BUCKETS,
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Tokens run in one engine step.", ITERATION_TOKENS_BUCKETS
+        )
+        cache_labels = sorted((cache_config or {}).items())
+        info = Gauge(
+            "vllm:cache_config_info",
+            "The KV cache's configuration (value 1).",
+            labels + [k for k, _ in cache_labels],
+            registry=r,
+        )
+        info.labels(*values, *(str(v) for _, v in cache_labels)).set(1)
         self._finished = Counter(
             "vllm:request_success", "Finished requests by reason.", labels + ["finished_reason"], registry=r
         )
-        self.model_name = model_name
+        self.label_values = values
         self._last_stats: dict[str, int] = {}
 
     def update_from_stats(self, stats: dict[str, Any]) -> None:
@@ -123,14 +166,17 @@ class ServerMetrics:
         self.num_total_blocks.set(stats["num_total_blocks"])
         self.spec_acceptance_rate.set(stats.get("spec_decode_acceptance_rate", 0.0))
         self.spec_mean_acceptance_length.set(stats.get("spec_decode_mean_acceptance_length", 0.0))
-        for key, attribute in ENGINE_COUNTERS.items():
+        if stats.get("num_step_tokens"):
+            self.iteration_tokens.observe(stats["num_step_tokens"])
+        for key, attributes in ENGINE_COUNTERS.items():
             delta = int(stats[key]) - self._last_stats.get(key, 0)
             if delta > 0:
-                getattr(self, attribute).inc(delta)
+                for attribute in attributes:
+                    getattr(self, attribute).inc(delta)
             self._last_stats[key] = int(stats[key])
 
     def observe_finished(self, finish_reason: str) -> None:
-        self._finished.labels(self.model_name, finish_reason).inc()
+        self._finished.labels(*self.label_values, finish_reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

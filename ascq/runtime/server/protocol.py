@@ -1,21 +1,26 @@
 """OpenAI request/response shapes (pydantic) and OpenAI's error JSON, for completions and chat completions.
 
 Requests are validated strictly (a string where a number belongs is a 400, as OpenAI does). No field is ever
-silently ignored: an OpenAI field ascq does not implement (`UNSUPPORTED_FIELDS`) is a 400 naming it unless its
-value is a no-op, and so is any field neither OpenAI nor vLLM defines. vLLM's extensions (top_k, min_p,
-repetition_penalty, min_tokens, stop_token_ids, ignore_eos, bad_words, allowed_token_ids, prompt_logprobs,
-include_stop_str_in_output, skip_special_tokens, structured_outputs, guided_json / guided_regex /
-guided_choice / guided_grammar) are accepted too.
+silently ignored: an OpenAI field ascq does not implement that would change the output (`UNSUPPORTED_FIELDS`)
+is a 400 naming it unless its value is a no-op; fields that change nothing here (`IGNORED_FIELDS`: metadata,
+store, service tiers, ...) and fields neither OpenAI nor vLLM defines are accepted, as vLLM accepts them, with
+one warning naming them. vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids,
+ignore_eos, bad_words, allowed_token_ids, prompt_logprobs, include_stop_str_in_output, skip_special_tokens,
+structured_outputs, guided_json / guided_regex / guided_choice / guided_grammar) are accepted too.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+logger = logging.getLogger("ascq.serve")
+
+VLLM_API_VERSION = "0.11.0"  # the vLLM release whose OpenAI server behaviour this one follows (GET /version)
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_BATCH = 2048  # prompts in one /v1/completions request, OpenAI's limit
@@ -58,19 +63,22 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "modalities": ((["text"],), "only the text modality is supported"),
     "functions": ((), "the deprecated 'functions' API is not supported; use 'tools'"),
     "function_call": ((), "the deprecated 'function_call' API is not supported; use 'tool_choice'"),
-    "metadata": (({},), "stored-completion metadata is not supported"),
-    "store": ((False,), "stored completions are not supported"),
     "moderation": ((), "moderation is not supported"),
     "prediction": ((), "predicted outputs are not supported"),
-    "prompt_cache_key": ((), "prompt cache routing keys are not supported (prefix caching is automatic)"),
-    "prompt_cache_options": ((), "prompt cache options are not supported (prefix caching is automatic)"),
-    "prompt_cache_retention": ((), "prompt cache retention is not supported (prefix caching is automatic)"),
-    "reasoning_effort": ((), "reasoning effort is not supported (no reasoning model)"),
-    "safety_identifier": ((), "safety identifiers are not supported"),
-    "service_tier": (("auto", "default"), "service tiers are not supported"),
-    "verbosity": ((), "verbosity is not supported"),
     "web_search_options": ((), "web search is not supported"),
 }
+# OpenAI fields that do not change what is generated here (stored completions, routing and tiering hints):
+# accepted and named in one warning, as vLLM does
+IGNORED_FIELDS = (
+    "metadata",
+    "store",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "service_tier",
+    "verbosity",
+)
 
 
 class StrictModel(BaseModel):
@@ -82,6 +90,7 @@ class StrictModel(BaseModel):
         if not isinstance(data, dict):
             return data
         known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        ignored = []
         for name, value in data.items():
             if name in known:
                 continue
@@ -90,7 +99,11 @@ class StrictModel(BaseModel):
                 if value is None or any(value == v and type(value) is type(v) for v in no_ops):
                     continue
                 raise UnsupportedFieldError(name, f"{name} is not supported by this server: {reason}")
-            raise UnsupportedFieldError(name, f"unknown field {name!r} (not an OpenAI or vLLM request field)")
+            ignored.append(name)
+        if ignored:
+            logger.warning(
+                "The following fields were present in the request but ignored: %s", sorted(ignored)
+            )
         return {k: v for k, v in data.items() if k in known}
 
 
@@ -104,6 +117,7 @@ class UnsupportedFieldError(ValueError):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, not only the last
 
 
 class JsonSchemaFormat(StrictModel):
@@ -150,7 +164,7 @@ class SamplingFields(StrictModel):
     seed: Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX - MAX_N)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: completions with echo only (prompt scoring)
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -171,6 +185,11 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own records; it does not change the output
+    # vLLM's: keep the prompt's last k tokens; the response id; prefix-cache isolation; scheduling priority
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    priority: int = 0
 
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self) -> SamplingFields:
@@ -201,6 +220,13 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and other special tokens) on text prompts
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_to_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedFieldError("max_tokens", "max_tokens 0 needs echo true (scoring the prompt)")
+        return self
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
@@ -286,6 +312,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    # vLLM's chat fields: continue the last (assistant) message instead of starting a new one; special tokens
+    # on top of the template's (vLLM's default: none); extra variables and documents for the template; the
+    # reasoning effort a template may read
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -294,6 +328,13 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.max_tokens == 0:
+            raise UnsupportedFieldError("max_tokens", "max_tokens must be at least 1")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise UnsupportedFieldError(
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true (as in vLLM)",
+            )
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {

@@ -9,6 +9,7 @@ sees them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -58,7 +59,7 @@ class OpenAIServing:
         engine: AsyncEngine,
         tokenizer: Any,
         prompter: ChatPrompter,
-        model_name: str,
+        model_names: list[str] | str,
         max_model_len: int,
         vocab_size: int,
         tool_options: Any = None,
@@ -67,15 +68,17 @@ class OpenAIServing:
         self.enable_auto_tool_choice = bool(tool_options and tool_options.enable_auto_tool_choice)
         self.tokenizer = tokenizer
         self.prompter = prompter
-        self.model_name = model_name
+        # every name clients may use (vLLM's --served-model-name a b); responses carry the first
+        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        self.model_name = self.model_names[0]
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.logprobs = LogprobFormatter(tokenizer)
         self.created = int(time.time())
 
-    def model_card(self) -> dict[str, Any]:
+    def model_card(self, name: str) -> dict[str, Any]:
         return {
-            "id": self.model_name,
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "ascq",
@@ -85,11 +88,27 @@ class OpenAIServing:
         }
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self.model_card()]}
+        return {"object": "list", "data": [self.model_card(name) for name in self.model_names]}
 
     def model(self, model_id: str) -> dict[str, Any]:
         self._check_model(model_id)
-        return self.model_card()
+        return self.model_card(model_id)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: what a client needs to tokenize as the server does."""
+        tok = self.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "vocab_size": self.vocab_size,
+            "model_max_length": self.max_model_len,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "add_bos_token": getattr(tok, "add_bos_token", None),
+            "chat_template": self.prompter.template,
+            "clean_up_tokenization_spaces": getattr(tok, "clean_up_tokenization_spaces", None),
+        }
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self._check_model(body.model)
@@ -112,15 +131,22 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        prompts = [self._prompt_ids(prompt, i) for i, prompt in enumerate(body.prompts())]
-        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        self._check_priority(body)
+        prompts = [
+            self._prompt_ids(prompt, i, body.add_special_tokens, body.truncate_prompt_tokens)
+            for i, prompt in enumerate(body.prompts())
+        ]
+        score_only = body.max_tokens == 0  # echo with no new tokens: the engine makes one, it is dropped
+        max_tokens = 1 if score_only else (body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
         for ids in prompts:
             self._check_fits(len(ids), max_tokens, "prompt")
         params = self._sampling_params(body, max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:  # echoed prompt tokens carry their logprobs too
             params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
-        request_id = random_id("cmpl")
-        group = await self._submit(request_id, prompts, params)
+        request_id = request_id_of("cmpl", body)
+        group = await self._submit(request_id, prompts, params, body.cache_salt)
+        if score_only:
+            group = ScoredPromptGroup(group)
         if body.stream:
             return _event_stream(self._completion_chunks(group, body, request_id), group)
         finals = await _final_outputs(group, request)
@@ -136,12 +162,26 @@ class OpenAIServing:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
+        self._check_priority(body)
         mode = tool_mode(body, self.enable_auto_tool_choice)
         messages = [message.as_template_dict() for message in body.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if mode else None
         if tools and not template_renders_tools(self.prompter.template):
             messages, tools = hermes_messages(messages, tools), None
-        ids = self.prompter.render(messages, body.add_generation_prompt, tools)
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:  # as vLLM: a variable the template may read
+            template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        ids = self.prompter.render(
+            messages,
+            body.add_generation_prompt,
+            tools,
+            continue_final_message=body.continue_final_message,
+            documents=body.documents,
+            template_kwargs=template_kwargs,
+            add_special_tokens=body.add_special_tokens,
+        )
+        if body.truncate_prompt_tokens is not None:
+            ids = ids[-body.truncate_prompt_tokens :]
         requested = body.max_completion_tokens or body.max_tokens
         self._check_fits(len(ids), requested, "messages")
         max_tokens = requested or self.max_model_len - len(ids)
@@ -154,7 +194,7 @@ class OpenAIServing:
                 param="tool_choice",
             )
         params = self._sampling_params(body, max_tokens, top_n, forced)
-        group = await self._submit(random_id("chatcmpl"), [ids], params)
+        group = await self._submit(request_id_of("chatcmpl", body), [ids], params, body.cache_salt)
         if body.stream and mode is None:
             return _event_stream(self._chat_chunks(group, body, top_n), group)
         if body.stream:  # tool calls are parsed from the whole message, then sent as chunks
@@ -209,21 +249,45 @@ class OpenAIServing:
 
     def _prompt_text(self, body: CompletionRequest, i: int, output: Any) -> str:
         prompt = body.prompts()[i]
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(output.prompt_token_ids)
+        if isinstance(prompt, str) and body.truncate_prompt_tokens is None:
+            return prompt
+        return self.tokenizer.decode(output.prompt_token_ids)  # token ids, or what truncation left
 
     # ---- validation ----------------------------------------------------------------------------------------
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"'{name}'" for name in self.model_names)
             raise APIError(
                 404,
-                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                f"the model '{model}' does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )
 
-    def _prompt_ids(self, prompt: str | list[int], index: int) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    def _check_priority(self, body: SamplingFields) -> None:
+        if body.priority != 0:  # vLLM refuses it too unless started with --scheduling-policy priority
+            raise APIError(
+                400,
+                "priority scheduling is not enabled: this server schedules first come, first served "
+                "(priority 0)",
+                param="priority",
+            )
+
+    def _prompt_ids(
+        self,
+        prompt: str | list[int],
+        index: int,
+        add_special_tokens: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[int]:
+        ids = (
+            self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            if isinstance(prompt, str)
+            else prompt
+        )
+        if truncate_prompt_tokens is not None:
+            ids = ids[-truncate_prompt_tokens:]  # vLLM keeps the prompt's last tokens
         if not ids:
             raise APIError(400, f"prompt {index} is empty", param="prompt")
         if not all(0 <= t < self.vocab_size for t in ids):
@@ -292,17 +356,17 @@ class OpenAIServing:
             raise APIError(400, str(exc)) from exc
 
     async def _submit(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None
     ) -> RequestGroup:
         try:
-            return await self.engine.submit(request_id, prompts, params)
+            return await self.engine.submit(request_id, prompts, params, cache_salt)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
     # ---- streaming -----------------------------------------------------------------------------------------
 
     async def _completion_chunks(self, group: RequestGroup, body: CompletionRequest, request_id: str):
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage, continuous = usage_options(body)
         finals: dict[int, Any] = {}
         echoed: set[tuple[int, int]] = set()
         async for i, output, o, start in _deltas(group, finals):
@@ -338,6 +402,7 @@ class OpenAIServing:
                         ),
                     )
                 ],
+                usage=_running_usage(output, o) if continuous else None,
             )
             yield _sse(chunk, include_usage)
         if include_usage:
@@ -345,7 +410,7 @@ class OpenAIServing:
             yield _sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
 
     async def _chat_chunks(self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None):
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage, continuous = usage_options(body)
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
             return _sse(
@@ -362,7 +427,7 @@ class OpenAIServing:
             ]
         )
         finals: dict[int, Any] = {}
-        async for _, _, o, start in _deltas(group, finals):
+        async for _, output, o, start in _deltas(group, finals):
             logprobs = self.logprobs.chat(o.token_ids[start[1] :], (o.logprobs or [])[start[1] :], top_n)
             yield chunk(
                 [
@@ -372,7 +437,8 @@ class OpenAIServing:
                         logprobs=logprobs,
                         finish_reason=o.finish_reason,
                     )
-                ]
+                ],
+                _running_usage(output, o) if continuous else None,
             )
         if include_usage:
             yield chunk([], _usage([finals[0]]))
@@ -427,7 +493,7 @@ def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | Non
         else:
             found["response_format"] = {"json": body.response_format.json_schema.schema_}
     if body.structured_outputs is not None:
-        found["structured_outputs"] = body.structured_outputs.model_dump(exclude_none=True)
+        found["structured_outputs"] = body.structured_outputs.model_dump(exclude_none=True, by_alias=True)
     for name, key in (
         ("guided_json", "json"),
         ("guided_regex", "regex"),
@@ -447,6 +513,38 @@ def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | Non
         return StructuredOutputsParams(**fields)
     except ValueError as exc:
         raise APIError(400, f"{name}: {exc}", param=name) from exc
+
+
+def request_id_of(prefix: str, body: SamplingFields) -> str:
+    """The response id: vLLM's `request_id` field when the client sends one, else a random one."""
+    return f"{prefix}-{body.request_id}" if body.request_id else random_id(prefix)
+
+
+class ScoredPromptGroup:
+    """A request group whose completions are hidden (`max_tokens: 0` with `echo`: the engine generates one
+    token that the client did not ask for; the prompt and its logprobs are the answer)."""
+
+    def __init__(self, group: RequestGroup) -> None:
+        self.group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.group, name)
+
+    async def __aiter__(self):
+        async for i, output in self.group:
+            hidden = [
+                dataclasses.replace(
+                    o,
+                    text="",
+                    token_ids=[],
+                    logprobs=[] if o.logprobs is not None else None,
+                    cumulative_logprob=None,
+                    finish_reason=o.finish_reason and "length",
+                    stop_reason=None,
+                )
+                for o in output.outputs
+            ]
+            yield i, dataclasses.replace(output, outputs=hidden)
 
 
 async def _collect(group: RequestGroup) -> Any:
@@ -493,6 +591,22 @@ def _sse(response: Any, include_usage: bool = True) -> str:
 
 def _sse_json(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
+
+
+def usage_options(body: SamplingFields) -> tuple[bool, bool]:
+    """(usage in the last chunk, usage in every chunk): vLLM's stream_options include_usage and
+    continuous_usage_stats (the second only with the first)."""
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    return include, include and bool(options.continuous_usage_stats)
+
+
+def _running_usage(output: Any, o: Any) -> Usage:
+    """Usage so far of one completion: its prompt and the tokens generated up to this chunk."""
+    num_prompt, num_completion = len(output.prompt_token_ids), len(o.token_ids)
+    return Usage(
+        prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion
+    )
 
 
 def _usage(finals: list[Any]) -> Usage:
