@@ -125,10 +125,10 @@ def synthetic(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def q4_1_rtn(synthetic: Path, tmp_path_factory) -> tuple[Path, Path]:
-    """(source, its w4a16-rtn entry) of a Q4_1-style source."""
+    """(source, its w4a16-rtn entry in the source-grid mode, `zp_dtype: float`) of a Q4_1-style source."""
     root = tmp_path_factory.mktemp("fzp")
     _gguf_blocked(synthetic, root / "q4_1", "Q4_1")
-    return root / "q4_1", _convert(root / "q4_1", "w4a16-rtn", root / "rtn")
+    return root / "q4_1", _convert(root / "q4_1", _recipe(root, "      zp_dtype: float\n"), root / "rtn")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -178,7 +178,7 @@ def test_recipe_zp_dtype_int_keeps_integer_zero_points_on_a_float_min_source(q4_
     group = _quantization_config(entry)["config_groups"]["group_0"]
     assert group["format"] == "pack-quantized" and group["weights"]["zp_dtype"] == "torch.int8"
     [fit] = read_manifest(entry)["conversion"]["group_size_fits"]
-    assert (fit["group_size"], fit["zp_dtype"]) == (32, None)
+    assert (fit["group_size"], fit["zp_dtype"]) == (64, None)  # the recipe's 128 fitted to the widths
 
 
 def test_recipe_zp_dtype_float32_on_any_source(synthetic, tmp_path):
@@ -195,10 +195,11 @@ def test_recipe_zp_dtype_float32_on_any_source(synthetic, tmp_path):
         (
             "      zp_dtype: float64\n",
             "W4A16_ASYM",
-            "QuantizationModifier: zp_dtype 'float64' is not supported; use one of auto, int",
+            "QuantizationModifier: zp_dtype 'float64' is not supported; use one of auto, float, int",
         ),
         ("      zp_dtype: bfloat16\n", "W4A16", "needs asymmetric weights"),
         ("      zp_dtype: bfloat16\n", "W8A8", "needs asymmetric weights"),
+        ("      zp_dtype: float\n", "W4A16", "needs asymmetric weights"),
     ],
 )
 def test_bad_zp_dtype_is_refused_in_one_line(tmp_path, extra, scheme, message):

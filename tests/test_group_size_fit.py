@@ -183,16 +183,16 @@ def test_block_aligned_group_size_rule() -> None:
 
 
 def test_gguf_block_quantized_source_gets_its_block_as_group_size(source: Path, tmp_path: Path) -> None:
-    """Weights on one int4 grid per 32-column block (as a GGUF Q4_0 import holds them, w = d·(q - 8)): the
-    recipe's 128 (fitted 64 for these widths) would mix two blocks' grids in a group; on the source's blocks
-    round-to-nearest gives every weight back exactly, and the manifest, summary and card say why the group
-    size is 32."""
+    """Weights on one int4 grid per 32-column block (as a GGUF Q4_0 import holds them, w = d·(q - 8)), in the
+    source-grid mode (`zp_dtype: auto`): the recipe's 128 (fitted 64 for these widths) would mix two blocks'
+    grids in a group; on the source's blocks round-to-nearest gives every weight back exactly, and the
+    manifest, summary and card say why the group size is 32."""
     blocked = tmp_path / "blocked"
     tensors = _gguf_blocked(source, blocked, "Q4_0")
     entry = convert(
         ConvertOptions(
             str(blocked),
-            ["w4a16-rtn"],
+            [_source_grid_recipe("w4a16-rtn", "auto", tmp_path)],
             out=tmp_path / "rtn",
             num_samples=2,
             seq_len=32,
@@ -200,7 +200,8 @@ def test_gguf_block_quantized_source_gets_its_block_as_group_size(source: Path, 
             progress=False,
         )
     )
-    assert _quantization_config(entry)["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    group = _quantization_config(entry)["config_groups"]["group_0"]
+    assert (group["weights"]["group_size"], group["format"]) == (32, "pack-quantized")
     [fit] = read_manifest(entry)["conversion"]["group_size_fits"]
     assert (fit["recipe_group_size"], fit["group_size"], fit["source_block_size"]) == (128, 32, 32)
     assert "quantized in GGUF blocks of 32 columns" in format_summary(entry)
@@ -209,6 +210,18 @@ def test_gguf_block_quantized_source_gets_its_block_as_group_size(source: Path, 
         torch.testing.assert_close(w, tensors[f"{name}.weight"].float(), rtol=0, atol=0, msg=name)
         # g64 is lossy
         assert not torch.equal(_plain_rtn(tensors[f"{name}.weight"], 64, torch.bfloat16), w), name
+
+
+def _source_grid_recipe(recipe: str, mode: str, tmp_path: Path) -> str:
+    """A named int4 recipe with `zp_dtype: MODE` (a source-grid mode, `schemes.SOURCE_GRID`) added."""
+    from ascq.paths import RECIPES_DIR
+
+    modifier_targets = "\n      targets: [Linear]\n"  # the modifier's own arguments are indented 6
+    text = (RECIPES_DIR / f"{recipe}.yaml").read_text()
+    assert text.count(modifier_targets) == 1
+    path = tmp_path / f"{recipe}-{mode}.yaml"
+    path.write_text(text.replace(modifier_targets, f"{modifier_targets}      zp_dtype: {mode}\n"))
+    return str(path)
 
 
 def _gguf_blocked(source: Path, dest: Path, quantization_type: str) -> dict[str, torch.Tensor]:
@@ -260,14 +273,17 @@ def _convert(model: Path, recipe: str, out: Path) -> Path:
     )
 
 
-@pytest.mark.parametrize("recipe", ["w4a16-rtn", "awq-int4", "w4a16-gptq"])
+@pytest.mark.parametrize("recipe", ["w4a16-rtn", "awq-int4-source-grid", "w4a16-gptq"])
 def test_float_min_source_kept_exactly_by_float_zero_points(recipe: str, q4_1_source, tmp_path: Path) -> None:
-    """A Q4_1-style source (a float minimum per 32-column block): the planner picks bf16 zero points at the
-    block size; every int4 recipe gives every weight back exactly (transformers decompressing the checkpoint),
-    the config says zp_dtype bfloat16 in compressed-tensors' naive-quantized format, and ascq.json, the
-    summary and the card say why."""
+    """A Q4_1-style source (a float minimum per 32-column block) in the source-grid mode (`zp_dtype: float`,
+    or the named recipe awq-int4-source-grid): the planner picks bf16 zero points at the block size; every
+    int4 recipe gives every weight back exactly (transformers decompressing the checkpoint), the config says
+    zp_dtype bfloat16 in compressed-tensors' naive-quantized format, and ascq.json, the summary and the card
+    say why."""
     source, tensors = q4_1_source
-    entry = _convert(source, recipe, tmp_path / recipe)
+    named = recipe.endswith("-source-grid")
+    recipe_path = recipe if named else _source_grid_recipe(recipe, "float", tmp_path)
+    entry = _convert(source, recipe_path, tmp_path / "entry")
     qc = _quantization_config(entry)
     group = qc["config_groups"]["group_0"]
     assert (group["format"], group["weights"]["group_size"], group["weights"]["zp_dtype"]) == (
@@ -290,7 +306,8 @@ def test_float_min_source_kept_exactly_by_float_zero_points(recipe: str, q4_1_so
     )
     for name, w in _transformers_weights(entry).items():
         torch.testing.assert_close(w, tensors[f"{name}.weight"].float(), rtol=0, atol=0, msg=name)
-    if recipe == "awq-int4":  # on the source's grid AWQ searches no scales (awq_modifier: s = 1 there)
+    # on the source's grid AWQ searches no scales (awq_modifier: s = 1 there)
+    if recipe.startswith("awq-int4"):
         layers = read_manifest(entry)["conversion"]["layers"].values()
         assert all(not layer["awq"]["alpha"] for layer in layers)
         skipped = [s for layer in layers for s in layer["awq"]["skipped"]]

@@ -254,6 +254,11 @@ def architecture_from_config(config: dict[str, Any]) -> Architecture:
         return LlamaFamily(config)
     if model_type == "deepseek":
         return DeepseekMoEArch(config)
-    raise UnsupportedError(
+    raise unsupported_model_type(model_type)
+
+
+def unsupported_model_type(model_type: Any) -> UnsupportedError:
+    """The one-line refusal of an architecture ascq cannot convert or run, naming the supported families."""
+    return UnsupportedError(
         f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
     )

@@ -29,12 +29,16 @@ DEFAULT_IGNORE = list(architecture.DEFAULT_IGNORE)
 ALWAYS_IGNORE = list(architecture.NEVER_QUANTIZED)
 SUPPORTED_PRESETS = ("W8A8", "W4A16", "W4A16_ASYM", "W8A16", "W4A8")
 # A modifier's `zp_dtype` (compressed-tensors' `QuantizationArgs.zp_dtype`, for every group it declares; a
-# config group's `weights.zp_dtype` sets one group's): `auto` lets the planner choose (`fit_group_sizes`:
-# float for a source with float block minima at its own block size, else int); `int` keeps integer zero points
-# (what vLLM's int4 kernels and compressed-tensors' packed format take); a float dtype stores unrounded zero
-# points.
+# config group's `weights.zp_dtype` sets one group's). Unset or `int`: integer zero points at the recipe's
+# group size, what vLLM's int4 kernels and compressed-tensors' packed format take (the default). The
+# source-grid modes (`SOURCE_GRID`, transformers and ascq only): `float` stores float zero points in the
+# checkpoint's scale dtype at the source's quantization block (GGUF) if it has one, which reproduces a source
+# with float block minima (Q4_1) exactly; `auto` does so only for such a source, else keeps integers. A float
+# dtype stores unrounded zero points at the recipe's group size.
+SOURCE_GRID = ("auto", "float")
 ZP_DTYPES = {
     "auto": None,
+    "float": None,
     "int": torch.int8,
     "int8": torch.int8,
     "bfloat16": torch.bfloat16,
@@ -53,6 +57,7 @@ class RecipeScheme:
     config_groups: dict[str, QuantizationScheme]
     ignore: list[str]
     kv_cache_scheme: QuantizationArgs | None = None
+    source_grid: dict[str, str] = dataclasses.field(default_factory=dict)  # config group -> SOURCE_GRID mode
 
 
 @dataclasses.dataclass
@@ -142,20 +147,27 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _with_zp_dtype(owner: str, groups: dict[str, QuantizationScheme], value: Any) -> None:
-    """Apply a modifier's `zp_dtype` argument to every config group it declares, in place."""
+def _with_zp_dtype(owner: str, groups: dict[str, QuantizationScheme], value: Any) -> dict[str, str]:
+    """Apply a modifier's `zp_dtype` argument to every config group it declares, in place; returns the
+    groups in a source-grid mode (`SOURCE_GRID`), which the planner resolves (`fit_group_sizes`)."""
     if value not in ZP_DTYPES:
         raise RecipeError(f"{owner}: zp_dtype {value!r} is not supported; use one of {', '.join(ZP_DTYPES)}")
-    if ZP_DTYPES[value] is None:
-        return
     for group, scheme in groups.items():
         if "zp_dtype" in scheme.weights.model_fields_set:
             raise RecipeError(
                 f"{owner}: give zp_dtype either as the modifier's argument or in "
                 f"config_groups.{group}.weights, not both"
             )
-        weights = scheme.weights.model_copy(update={"zp_dtype": ZP_DTYPES[value]})
-        groups[group] = scheme.model_copy(update={"weights": weights})
+        dtype = ZP_DTYPES[value] or torch.bfloat16  # `float` is checked as a float dtype
+        if value != "auto":
+            _check_zp_dtype(owner, group, scheme.model_copy(update={"weights": _zp(scheme.weights, dtype)}))
+        if value not in SOURCE_GRID:
+            groups[group] = scheme.model_copy(update={"weights": _zp(scheme.weights, dtype)})
+    return dict.fromkeys(groups, value) if value in SOURCE_GRID else {}
+
+
+def _zp(weights: QuantizationArgs, dtype: torch.dtype) -> QuantizationArgs:
+    return weights.model_copy(update={"zp_dtype": dtype})
 
 
 def _kv_args(owner: str, value: Any) -> QuantizationArgs:
@@ -212,13 +224,15 @@ def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None
     if args.get("zp_dtype") is not None:
         if not groups:
             raise RecipeError(f"{owner}: zp_dtype needs a scheme or config_groups")
-        _with_zp_dtype(owner, groups, args["zp_dtype"])
+        source_grid = _with_zp_dtype(owner, groups, args["zp_dtype"])
+    else:
+        source_grid = {}
     for group, scheme in groups.items():
         _check_supported(owner, group, scheme)
     kv = _kv_args(owner, args["kv_cache_scheme"]) if args.get("kv_cache_scheme") is not None else None
     if not groups and kv is None:
         return None
-    return RecipeScheme(owner=owner, config_groups=groups, ignore=ignore, kv_cache_scheme=kv)
+    return RecipeScheme(owner, groups, ignore, kv, source_grid)
 
 
 def _match(
@@ -269,6 +283,7 @@ class GroupSizeFit:
 
 
 def _planned_zp_dtype(
+    mode: str | None,
     weights: QuantizationArgs,
     activations: QuantizationArgs | None,
     group_size: int | None,
@@ -276,11 +291,15 @@ def _planned_zp_dtype(
     source_float_min: bool,
     scale_dtype: torch.dtype,
 ) -> torch.dtype | None:
-    """The float zero-point dtype the planner picks for a group whose recipe leaves zp_dtype to it (None:
-    int): the checkpoint's scale dtype when the source's blocks have float minima and the group is one source
-    block, the only case where it keeps the source's grid exactly (an int zero point moves every block by up
-    to half a step)."""
-    if not source_float_min or weights.symmetric or activations is not None or weights.type != "int":
+    """The float zero-point dtype the planner picks for a group in a source-grid mode (`SOURCE_GRID`; None:
+    int). `float`: the checkpoint's scale dtype. `auto`: that dtype when the source's blocks have float
+    minima and the group is one source block, the only case where it keeps the source's grid exactly (an
+    int zero point moves every block by up to half a step)."""
+    if mode == "float":
+        return scale_dtype
+    if mode != "auto" or not source_float_min:
+        return None
+    if weights.symmetric or activations is not None or weights.type != "int":
         return None
     return scale_dtype if group_size is not None and group_size == source_block_size else None
 
@@ -292,11 +311,13 @@ def fit_group_sizes(
     source_float_min: bool = False,
     scale_dtype: torch.dtype = torch.bfloat16,
 ) -> list[GroupSizeFit]:
-    """Give every grouped config group the one group size `qmath.block_aligned_group_size` picks over the
-    linears (full name, module) it quantizes and the source's quantization block (`qmath.source_block_size`),
-    and its zero points' dtype (`_planned_zp_dtype`, unless the recipe sets zp_dtype), in place, before any
-    layer is converted: quantizers, the writer and `quantization_config` then all read them from the scheme.
-    Returns the groups whose group size changed or whose zero points are floats."""
+    """Give every grouped config group one group size over the linears (full name, module) it quantizes, in
+    place, before any layer is converted: quantizers, the writer and `quantization_config` then all read it
+    from the scheme. By default the recipe's (`qmath.fitted_group_size` where a width forces otherwise) with
+    integer zero points, what vLLM's packed int4 path reads; a group in a source-grid mode (`SOURCE_GRID`)
+    follows the source's quantization block (`qmath.block_aligned_group_size`, `qmath.source_block_size`) and
+    gets float zero points (`_planned_zp_dtype`). Returns the groups whose group size changed or whose zero
+    points are floats."""
     owners = {id(g): (rs, key) for rs in schemes for key, g in rs.config_groups.items()}
     widths: dict[int, set[int]] = {}
     for name, module in linears:
@@ -308,11 +329,13 @@ def fit_group_sizes(
         recipe_scheme, key = owners[scheme_id]
         scheme = recipe_scheme.config_groups[key]
         recipe_size = int(scheme.weights.group_size)
-        fitted = block_aligned_group_size(recipe_size, seen, source_block_size)
+        mode = recipe_scheme.source_grid.get(key)
+        fitted = block_aligned_group_size(recipe_size, seen, source_block_size if mode else None)
         update: dict[str, Any] = {} if fitted in (None, recipe_size) else {"group_size": fitted}
         zp_from = "recipe" if float_zero_point(scheme.weights) else None
-        if "zp_dtype" not in scheme.weights.model_fields_set:
+        if mode is not None:
             planned = _planned_zp_dtype(
+                mode,
                 scheme.weights,
                 scheme.input_activations,
                 fitted,
@@ -321,7 +344,8 @@ def fit_group_sizes(
                 scale_dtype,
             )
             if planned is not None:
-                update["zp_dtype"], zp_from = planned, "source"
+                on_source_blocks = source_float_min and fitted is not None and fitted == source_block_size
+                update["zp_dtype"], zp_from = planned, "source" if on_source_blocks else "recipe"
         if fitted is None and zp_from is not None:
             raise UnsupportedError(
                 f"{recipe_scheme.owner} {key}: float zero points need a group size that divides "

@@ -6,17 +6,25 @@ built and parsed back with huggingface_hub's `ModelCard` / `ModelCardData`.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
+from safetensors import safe_open
 
 from ascq.atomic_file import atomic_write
 from ascq.formats.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest, sha256_file
 from ascq.paths import RECIPES_DIR, zoo_root
 
 CARD_NAME = "README.md"
+LOADERS = {  # who reads each compressed-tensors format
+    "pack-quantized": ", read by vLLM's compressed-tensors int4 (W4A16) path, transformers and ascq",
+    "int-quantized": ", read by vLLM, transformers and ascq",
+    "naive-quantized": ", transformers and ascq only (vLLM's int4 kernels need pack-quantized)",
+}
+SAFETENSORS_BITS = {"I32": 32, "I8": 8, "U8": 8, "F8_E4M3": 8, "BF16": 16, "F16": 16, "F32": 32, "I64": 64}
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 SCHEME_TEXT = {
     "dense": "unquantized weights",
@@ -50,7 +58,7 @@ def render_card(entry_dir: Path, repo_id: str | None = None) -> str:
     body = "\n".join(
         [
             f"# {manifest['name']}\n",
-            _summary(manifest, config),
+            _summary(manifest, config, entry_dir),
             _recipe_section(manifest),
             *([_plan_section(manifest["planned"])] if manifest.get("planned") else []),
             _quality_section(manifest),
@@ -124,7 +132,39 @@ def _base_link(base: str | None) -> str:
     return f"[{base}](https://huggingface.co/{base})" if HUB_REPO_ID.match(base) else f"`{base}`"
 
 
-def _summary(manifest: dict[str, Any], config: dict[str, Any]) -> str:
+def quantized_weight_bits(entry_dir: Path) -> tuple[int, int]:
+    """(stored bits of the quantized linears' weights + scales + zero points, their parameter count) over the
+    entry's safetensors files; (0, 0) for an entry without quantized linears."""
+    bits = params = 0
+    for path in sorted(Path(entry_dir).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            names = set(f.keys())
+            for name in names:
+                module, _, local = name.rpartition(".")
+                if local != "weight_scale":
+                    continue
+                for part in ("weight_packed", "weight", "weight_scale", "weight_zero_point"):
+                    if f"{module}.{part}" in names:
+                        t = f.get_slice(f"{module}.{part}")
+                        bits += math.prod(t.get_shape()) * SAFETENSORS_BITS[t.get_dtype()]
+                if f"{module}.weight_shape" in names:
+                    params += math.prod(int(d) for d in f.get_tensor(f"{module}.weight_shape").tolist())
+                else:
+                    params += math.prod(f.get_slice(f"{module}.weight").get_shape())
+    return bits, params
+
+
+def _bits_per_weight_text(entry_dir: Path) -> str | None:
+    bits, params = quantized_weight_bits(entry_dir)
+    if not params:
+        return None
+    return (
+        f"{bits / params:.2f} (weights + scales + zero points over the {params / 1e6:.1f} M quantized "
+        "linear parameters)"
+    )
+
+
+def _summary(manifest: dict[str, Any], config: dict[str, Any], entry_dir: Path) -> str:
     scheme = manifest.get("scheme") or "dense"
     files = {rel: f for rel, f in (manifest.get("files") or {}).items() if rel != CARD_NAME}  # the card's own
     size = sum(f["size"] for f in files.values())  # size would make it change each time it is recorded
@@ -158,6 +198,7 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any]) -> str:
             else "none",
         ),
         ("size", f"{size / 2**20:.1f} MiB in {len(files)} files besides this card"),
+        *([("bits per weight", bpw)] if (bpw := _bits_per_weight_text(entry_dir)) else []),
     ]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     return f"{intro}\n{table}"
@@ -168,10 +209,12 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
     if manifest.get("format") != "compressed-tensors" or not qc:
         return manifest.get("format") or "hf"
     groups = []
+    fitted = (manifest.get("conversion") or {}).get("group_size_fits")
     for group in (qc.get("config_groups") or {}).values():
         w, a = group.get("weights") or {}, group.get("input_activations")
         text = f"weights int{w.get('num_bits')} {w.get('strategy')}"
         text += f" {w['group_size']}" if w.get("group_size") else ""
+        text += " (the recipe's group size)" if w.get("group_size") and not fitted else ""
         text += ", symmetric" if w.get("symmetric", True) else ", asymmetric"
         if str(w.get("zp_dtype", "")).removeprefix("torch.") in ("bfloat16", "float16", "float32"):
             text += f", {str(w['zp_dtype']).removeprefix('torch.')} zero points"
@@ -186,7 +229,9 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
         f"; {group_size_fit_text(fit)}"
         for fit in (manifest.get("conversion") or {}).get("group_size_fits", [])
     )
-    return f"compressed-tensors `{qc.get('format')}` ({'; '.join(groups)}); not quantized: {ignore}{fits}"
+    loaders = LOADERS.get(qc.get("format"), "")
+    described = f"compressed-tensors `{qc.get('format')}` ({'; '.join(groups)}){loaders}"
+    return f"{described}; not quantized: {ignore}{fits}"
 
 
 def _recipe_section(manifest: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 from ascq.core.errors import AscqError
 from ascq.formats.manifest import new_manifest, sha256_file, staged_entry, write_manifest
 from ascq.paths import zoo_root
+from ascq.quantize.architectures import SUPPORTED_MODEL_TYPES, unsupported_model_type
 
 EXTRA_MODULES = ("gguf", "accelerate")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -126,6 +127,8 @@ def import_gguf(
             raise AscqError(f"{file} is not a file")
         source = GGUFSource(Path(file))
     meta = gguf_metadata(source.path)
+    if meta["architecture"] not in SUPPORTED_MODEL_TYPES:  # GGUF names them as transformers' model_type
+        raise unsupported_model_type(meta["architecture"])
     target = Path(zoo or zoo_root()) / (name or default_entry_name(source))
     with staged_entry(target, overwrite=overwrite) as staging:
         _write_hf_checkpoint(source.path, staging, dtype, meta["special_token_ids"])
