@@ -298,3 +298,39 @@ def test_completion_top_logprobs_include_the_sampled_token(http):
     for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=True):
         assert token in top and 1 <= len(top) <= 2
     assert any(len(top) == 2 for top in logprobs["top_logprobs"])  # sampled below the top-1 at least once
+
+
+def test_openai_sdk_responses_plain_and_streamed(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    response = client.responses.create(
+        model="tiny", input="def add(a, b):", max_output_tokens=8, instructions="Write Python.", temperature=0
+    )
+    assert response.status in ("completed", "incomplete") and response.output_text
+    assert response.usage.output_tokens >= 1 and response.usage.input_tokens > 0
+    chat_text = (
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "system", "content": "Write Python."}, *MESSAGES],
+            max_tokens=8,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
+    )
+    assert response.output_text == chat_text  # the same request through the chat route
+    deltas, final = [], None
+    with client.responses.create(
+        model="tiny",
+        input=[{"role": "user", "content": "def add(a, b):"}],
+        max_output_tokens=8,
+        temperature=0,
+        stream=True,
+    ) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            elif event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+    assert len(deltas) > 1 and final is not None and final.output_text == "".join(deltas)

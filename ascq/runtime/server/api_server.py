@@ -42,6 +42,7 @@ from ascq.runtime.server.protocol import (
     TokenizeRequest,
     UnsupportedFieldError,
 )
+from ascq.runtime.server.responses import chat_request_data, create_response
 from ascq.runtime.server.serving import OpenAIServing
 
 MAX_BODY_BYTES = 16 << 20
@@ -128,6 +129,12 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         return await serving.chat_completions(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        data = await read_json_object(request)
+        body = validate_body(chat_request_data(data), ChatCompletionRequest)
+        return await create_response(serving, body, request)
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
