@@ -427,11 +427,16 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in a call's first delta
+    arguments: str = ""  # this delta's piece of the arguments' JSON text
+
+
 class DeltaToolCall(BaseModel):
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = None  # in a call's first delta
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class DeltaMessage(BaseModel):

@@ -34,6 +34,7 @@ from ascq.runtime.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     DetokenizeRequest,
@@ -45,6 +46,7 @@ from ascq.runtime.server.protocol import (
 from ascq.runtime.server.tool_calls import (
     forced_tool_structure,
     hermes_messages,
+    new_call,
     parse_tool_calls,
     template_renders_tools,
     tool_mode,
@@ -197,6 +199,8 @@ class OpenAIServing:
         group = await self._submit(request_id_of("chatcmpl", body), [ids], params, body.cache_salt)
         if body.stream and mode is None:
             return _event_stream(self._chat_chunks(group, body, top_n), group)
+        if body.stream and mode == "named":  # the output is the arguments' JSON: stream it as it is decoded
+            return _event_stream(self._chat_named_tool_chunks(group, body, top_n), group)
         if body.stream:  # tool calls are parsed from the whole message, then sent as chunks
             return _event_stream(self._chat_tool_chunks(group, body, top_n, mode), group)
         (final,) = await _final_outputs(group, request)
@@ -443,6 +447,55 @@ class OpenAIServing:
         if include_usage:
             yield chunk([], _usage([finals[0]]))
 
+    async def _chat_named_tool_chunks(
+        self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None
+    ):
+        """A named tool_choice streamed as vLLM does: the call's id and name first, then its arguments' JSON
+        in the pieces the engine decodes (they concatenate to the arguments)."""
+        include_usage, continuous = usage_options(body)
+        name = body.tool_choice.function.name
+        started: set[int] = set()
+
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            response = ChatCompletionChunk(
+                id=group.request_ids[0], model=self.model_name, choices=choices, usage=usage
+            )
+            return _sse(response, include_usage)
+
+        yield chunk(
+            [
+                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(body.n)
+            ]
+        )
+        finals: dict[int, Any] = {}
+        async for _, output, o, start in _deltas(group, finals):
+            piece = o.text[start[0] :]
+            if o.index not in started:
+                started.add(o.index)
+                call = new_call(name, "")
+                calls = [
+                    DeltaToolCall(
+                        index=0,
+                        id=call.id,
+                        type="function",
+                        function=DeltaFunctionCall(name=name, arguments=piece),
+                    )
+                ]
+            else:
+                calls = [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=piece))] if piece else []
+            finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
+            logprobs = self.logprobs.chat(o.token_ids[start[1] :], (o.logprobs or [])[start[1] :], top_n)
+            choice = ChatChunkChoice(
+                index=o.index,
+                delta=DeltaMessage(tool_calls=calls or None),
+                logprobs=logprobs,
+                finish_reason=finish,
+            )
+            yield chunk([choice], _running_usage(output, o) if continuous else None)
+        if include_usage:
+            yield chunk([], _usage([finals[0]]))
+
     async def _chat_tool_chunks(
         self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None, mode: str
     ):
@@ -466,7 +519,12 @@ class OpenAIServing:
         for o in final.outputs:
             choice = self._chat_choice(o, body, top_n, mode)
             calls = [
-                DeltaToolCall(index=k, id=c.id, function=c.function)
+                DeltaToolCall(
+                    index=k,
+                    id=c.id,
+                    type="function",
+                    function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments),
+                )
                 for k, c in enumerate(choice.message.tool_calls)
             ]
             yield chunk(
