@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import make_engine
+from test_group_size_fit import CONFIG as GROUP_FIT_CONFIG
 from test_group_size_fit import _gguf_blocked, _quantization_config
 from test_runtime_models import reference_greedy_batch, run_greedy
 
@@ -110,24 +111,7 @@ def test_default_int4_is_pack_quantized_and_transformers_agrees(
 
 
 # widths 192 and 448 (as SmolLM2's 576 and 1536): the recipe's 128 divides neither, 64 divides both
-Q4_1_CONFIG = dict(
-    model_type="llama",
-    architectures=["LlamaForCausalLM"],
-    vocab_size=300,
-    hidden_size=192,
-    intermediate_size=448,
-    num_hidden_layers=2,
-    num_attention_heads=3,
-    num_key_value_heads=1,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-    torch_dtype="bfloat16",
-    bos_token_id=256,
-    eos_token_id=256,
-)
+Q4_1_CONFIG = GROUP_FIT_CONFIG
 
 
 def test_q4_1_source_gets_integer_zero_points_at_the_recipe_group_size_by_default(tmp_path: Path) -> None:

@@ -413,23 +413,23 @@ class OpenAIServing:
             usage = _usage([finals[i] for i in sorted(finals)])
             yield _sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
 
+    def _chat_chunk_writer(self, group: RequestGroup, include_usage: bool):
+        """A chat stream's chunk as an SSE event (usage left out unless the client asked for it)."""
+
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            response = ChatCompletionChunk(
+                id=group.request_ids[0], model=self.model_name, choices=choices, usage=usage
+            )
+            return _sse(response, include_usage)
+
+        return chunk
+
     async def _chat_chunks(self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None):
         include_usage, continuous = usage_options(body)
 
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return _sse(
-                ChatCompletionChunk(
-                    id=group.request_ids[0], model=self.model_name, choices=choices, usage=usage
-                ),
-                include_usage,
-            )
+        chunk = self._chat_chunk_writer(group, include_usage)
 
-        yield chunk(
-            [
-                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                for i in range(body.n)
-            ]
-        )
+        yield chunk(_role_choices(body.n))
         finals: dict[int, Any] = {}
         async for _, output, o, start in _deltas(group, finals):
             logprobs = self.logprobs.chat(o.token_ids[start[1] :], (o.logprobs or [])[start[1] :], top_n)
@@ -456,18 +456,9 @@ class OpenAIServing:
         name = body.tool_choice.function.name
         started: set[int] = set()
 
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            response = ChatCompletionChunk(
-                id=group.request_ids[0], model=self.model_name, choices=choices, usage=usage
-            )
-            return _sse(response, include_usage)
+        chunk = self._chat_chunk_writer(group, include_usage)
 
-        yield chunk(
-            [
-                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                for i in range(body.n)
-            ]
-        )
+        yield chunk(_role_choices(body.n))
         finals: dict[int, Any] = {}
         async for _, output, o, start in _deltas(group, finals):
             piece = o.text[start[0] :]
@@ -501,20 +492,9 @@ class OpenAIServing:
     ):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return _sse(
-                ChatCompletionChunk(
-                    id=group.request_ids[0], model=self.model_name, choices=choices, usage=usage
-                ),
-                include_usage,
-            )
+        chunk = self._chat_chunk_writer(group, include_usage)
 
-        yield chunk(
-            [
-                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                for i in range(body.n)
-            ]
-        )
+        yield chunk(_role_choices(body.n))
         final = await _collect(group)
         for o in final.outputs:
             choice = self._chat_choice(o, body, top_n, mode)
@@ -649,6 +629,11 @@ def _sse(response: Any, include_usage: bool = True) -> str:
 
 def _sse_json(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
+
+
+def _role_choices(n: int) -> list[ChatChunkChoice]:
+    """A chat stream's first chunk: the assistant role for each of the n choices."""
+    return [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)]
 
 
 def usage_options(body: SamplingFields) -> tuple[bool, bool]:
