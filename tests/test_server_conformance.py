@@ -334,3 +334,6 @@ def test_openai_sdk_responses_plain_and_streamed(server):
             elif event.type in ("response.completed", "response.incomplete"):
                 final = event.response
     assert len(deltas) > 1 and final is not None and final.output_text == "".join(deltas)
+    # a Responses field with no chat counterpart is named in the warning, not dropped silently
+    client.responses.create(model="tiny", input="a", max_output_tokens=2, truncation="disabled")
+    assert "ignored: ['truncation']" in server[1].read_text()

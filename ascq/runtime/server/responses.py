@@ -27,6 +27,10 @@ SAMPLING_FIELDS = (
 )
 
 
+# Responses features beyond text: refused unless their value asks for nothing
+TEXT_ONLY = frozenset({"tools", "tool_choice", "previous_response_id", "reasoning", "text"})
+
+
 def chat_body(data: dict[str, Any]) -> dict[str, Any]:
     """The chat completion request a Responses request asks for."""
     messages: list[dict[str, Any]] = []
@@ -45,13 +49,15 @@ def chat_body(data: dict[str, Any]) -> dict[str, Any]:
     if data.get("max_output_tokens") is not None:
         body["max_tokens"] = data["max_output_tokens"]
     body |= {k: data[k] for k in SAMPLING_FIELDS if data.get(k) is not None}
-    unsupported = sorted({"tools", "tool_choice", "previous_response_id", "reasoning", "text"} & set(data))
+    unsupported = sorted(TEXT_ONLY & set(data))
     for name in unsupported:
         if data[name] not in (None, [], {}, "auto", "none"):
             raise APIError(
                 400, f"{name} is not supported by this server's /v1/responses (text only)", param=name
             )
-    return body
+    # every other field goes to the chat request model, which implements, refuses or names it in its warning
+    consumed = {"instructions", "input", "stream", "model", "max_output_tokens", *SAMPLING_FIELDS, *TEXT_ONLY}
+    return {k: v for k, v in data.items() if k not in consumed} | body
 
 
 def _message(item: Any, index: int) -> dict[str, Any]:

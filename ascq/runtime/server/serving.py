@@ -490,7 +490,7 @@ class OpenAIServing:
     async def _chat_tool_chunks(
         self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None, mode: str
     ):
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage, _ = usage_options(body)  # the whole message comes at once: usage once, at the end
 
         chunk = self._chat_chunk_writer(group, include_usage)
 
