@@ -473,7 +473,7 @@ def serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
 
 def test_busy_port_fails_before_torch_or_the_model_loads(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """A `torch` that cannot be imported proves the check runs before torch (and so the model) is touched; the
-    time it takes is a measurement in README (about 1 s), not an assert here."""
+    time it takes is in docs/benchmarks.md "Serving" (about 1 s), not an assert here."""
     poison = tmp_path / "poison"
     (poison / "torch").mkdir(parents=True)
     (poison / "torch" / "__init__.py").write_text(

@@ -138,7 +138,7 @@ def fitted_group_size(group_size: int, in_features: Iterable[int]) -> int | None
 # 16/32/256-level grid. A checkpoint imported from one (the GGUF importer records
 # `source.gguf.quantization_type` in ascq.json) holds those dequantized values; int4 groups spanning two
 # blocks (SmolLM2's fitted 64) mix two grids, so it is re-quantized with groups on the source blocks. Measured
-# on SmolLM2 (Q4_1): see README "Group size".
+# on SmolLM2 (Q4_1): docs/benchmarks.md "Int4 grids on a GGUF source".
 GGUF_BLOCK_SIZES = {
     "Q4_0": 32,
     "Q4_1": 32,

@@ -12,7 +12,7 @@ the column's diag(H), the mean square of its input (GPTQ's own loss (w - q)ᵀ H
 off-diagonal terms, the importance weighting of llama.cpp's imatrix quantization). On SmolLM2 (fp32 source, 16
 x 512 calibration tokens, GPL-3 perplexity) it scored 32.65 and 32.38 (two calibration GEMM dtypes) where the
 unweighted observer scored 36.97 and 37.00 with the same code, and 34.78 / 35.70 before a last-bit change in
-its error sums (GPTQ's spread: see README).
+its error sums (GPTQ's spread: docs/benchmarks.md "Converter against llm-compressor").
 """
 
 from __future__ import annotations

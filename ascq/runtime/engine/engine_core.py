@@ -1,7 +1,7 @@
 """The engine core in its own process (vLLM v1's EngineCoreProc): scheduler, model executor and sampler.
 
 The serving process talks to it over one duplex `multiprocessing` pipe of pickled tuples (measured against
-ZeroMQ in benchmarks/ipc.py; the README "Distributed" section has the numbers):
+ZeroMQ in benchmarks/ipc.py; docs/benchmarks.md "Serving" has the numbers):
 
     to the core:   ("add", request_id, prompt_token_ids, params) | ("abort", request_id)
                    | ("finish", request_id, index, stop_string) | ("shutdown",)

@@ -9,7 +9,7 @@ supervisor restarts it).
 
 `stream_interval` (vLLM's `--stream-interval`): a request's output reaches its stream only at its first token,
 every `stream_interval` tokens after that, and when it finishes. Outputs are cumulative, so nothing is lost;
-fewer SSE events cost the server and the client less CPU per token (README "Serving").
+fewer SSE events cost the server and the client less CPU per token (docs/benchmarks.md "Serving").
 """
 
 from __future__ import annotations
