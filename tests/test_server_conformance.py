@@ -337,3 +337,19 @@ def test_openai_sdk_responses_plain_and_streamed(server):
     # a Responses field with no chat counterpart is named in the warning, not dropped silently
     client.responses.create(model="tiny", input="a", max_output_tokens=2, truncation="disabled")
     assert "ignored: ['truncation']" in server[1].read_text()
+
+
+def test_a_prompt_longer_than_max_model_len_is_a_400_naming_both_lengths(http):
+    max_model_len = http.post("/tokenize", json={"prompt": "a"}).json()["max_model_len"]
+    for num_tokens, max_tokens in ((max_model_len + 5, None), (max_model_len - 2, 4)):
+        body = {"model": "tiny", "prompt": [7] * num_tokens}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert f"maximum context length is {max_model_len} tokens" in message
+        assert f"the prompt has {num_tokens} tokens" in message
+    long_chat = [{"role": "user", "content": "x " * (2 * max_model_len)}]
+    response = http.post("/v1/chat/completions", json={"model": "tiny", "messages": long_chat})
+    assert response.status_code == 400 and str(max_model_len) in response.json()["error"]["message"]
