@@ -9,8 +9,10 @@ sees them.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
+import struct
 import time
 from typing import Any
 
@@ -36,9 +38,13 @@ from ascq.runtime.server.protocol import (
     CompletionResponse,
     DeltaMessage,
     DetokenizeRequest,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
     SamplingFields,
     TokenizeRequest,
     Usage,
+    prompt_list,
     random_id,
 )
 from ascq.runtime.server.tool_call_stream import ToolCallStream, tool_call_stream
@@ -160,6 +166,42 @@ class OpenAIServing:
         )
         return JSONResponse(response.model_dump())
 
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        """vLLM's LAST pooling for a decoder model: each input's last-token final hidden state, L2-normalized
+        (the engine computes one token past the input and drops it)."""
+        self._check_model(body.model)
+        self._check_priority(body)
+        if body.dimensions is not None:  # vLLM refuses it too for a model without matryoshka training
+            raise APIError(
+                400,
+                "dimensions: this model does not support matryoshka representation; its embeddings have "
+                "the model's hidden size",
+                param="dimensions",
+            )
+        prompts = [
+            self._prompt_ids(prompt, i, body.add_special_tokens, body.truncate_prompt_tokens)
+            for i, prompt in enumerate(prompt_list(body.input))
+        ]
+        for i, ids in enumerate(prompts):
+            if len(ids) >= self.max_model_len:
+                raise APIError(
+                    400,
+                    f"this model's maximum context length is {self.max_model_len} tokens, but input {i} has "
+                    f"{len(ids)} tokens (an embedding needs one position past its input)",
+                    param="input",
+                )
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling="last")
+        request_id = request_id_of("embd", body)
+        finals = await _final_outputs(await self._submit(request_id, prompts, params), request)
+        data = [
+            EmbeddingData(index=i, embedding=encode_embedding(final.prompt_embedding, body.encoding_format))
+            for i, final in enumerate(finals)
+        ]
+        num_tokens = sum(len(ids) for ids in prompts)
+        usage = Usage(prompt_tokens=num_tokens, completion_tokens=0, total_tokens=num_tokens)
+        response = EmbeddingResponse(id=request_id, model=self.model_name, data=data, usage=usage)
+        return JSONResponse(response.model_dump())
+
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         self._check_priority(body)
@@ -265,7 +307,7 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def _check_priority(self, body: SamplingFields) -> None:
+    def _check_priority(self, body: SamplingFields | EmbeddingRequest) -> None:
         if body.priority != 0:  # vLLM refuses it too unless started with --scheduling-policy priority
             raise APIError(
                 400,
@@ -503,7 +545,14 @@ def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | Non
         raise APIError(400, f"{name}: {exc}", param=name) from exc
 
 
-def request_id_of(prefix: str, body: SamplingFields) -> str:
+def encode_embedding(embedding: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's encodings: the floats, or base64 of their little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+    return embedding
+
+
+def request_id_of(prefix: str, body: SamplingFields | EmbeddingRequest) -> str:
     """The response id: vLLM's `request_id` field when the client sends one, else a random one."""
     return f"{prefix}-{body.request_id}" if body.request_id else random_id(prefix)
 
