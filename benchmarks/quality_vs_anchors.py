@@ -5,10 +5,11 @@ Rows: FP (the source); ascq `w4a16-rtn`, `awq-int4`, `w4a16-gptq` (the default r
 integer zero points, group 128 narrowed to what divides every width, the size actually used read from the
 entry's config); llm-compressor 0.14's AWQ and GPTQ with W4A16 asym at that same group size on the same
 calibration blocks (run by `benchmarks/compare_llmcompressor.py --worker` in llm-compressor's venv, which also
-writes the dequantized plain checkpoint scored here); llama.cpp's `convert_hf_to_gguf.py --outtype f32` on the
-source, then `llama-quantize` to Q4_0 and Q4_K_M, both as llama-quantize makes them by default (the tied token
-embedding, which is also the output matrix, goes to Q6_K) and with the token embedding left in F32, which
-quantizes the same parameters as the ascq and llm-compressor rows (their embedding and `lm_head` stay FP).
+writes the dequantized plain checkpoint scored here); llama.cpp's `convert_hf_to_gguf.py --outtype f32`
+on the source, then `llama-quantize` to Q4_0 and Q4_K_M, both as llama-quantize makes them by default (it
+quantizes the tied token embedding, which is also the output matrix, too: its type is in the note column) and
+with the token embedding left in F32, which quantizes the same parameters as the ascq and llm-compressor rows
+(their embedding and `lm_head` stay FP).
 The F32 GGUF itself is scored too: it must give the FP perplexity, which checks the GGUF read-back path.
 
 Scorer: transformers in fp32 on dequantized weights for every row (`ascq.evaluate.perplexity` over
