@@ -337,3 +337,40 @@ def test_openai_sdk_responses_plain_and_streamed(server):
     # a Responses field with no chat counterpart is named in the warning, not dropped silently
     client.responses.create(model="tiny", input="a", max_output_tokens=2, truncation="disabled")
     assert "ignored: ['truncation']" in server[1].read_text()
+
+
+def test_a_prompt_longer_than_max_model_len_is_a_400_naming_both_lengths(http):
+    max_model_len = http.post("/tokenize", json={"prompt": "a"}).json()["max_model_len"]
+    for num_tokens, max_tokens in ((max_model_len + 5, None), (max_model_len - 2, 4)):
+        body = {"model": "tiny", "prompt": [7] * num_tokens}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert f"maximum context length is {max_model_len} tokens" in message
+        assert f"the prompt has {num_tokens} tokens" in message
+    long_chat = [{"role": "user", "content": "x " * (2 * max_model_len)}]
+    response = http.post("/v1/chat/completions", json={"model": "tiny", "messages": long_chat})
+    assert response.status_code == 400 and str(max_model_len) in response.json()["error"]["message"]
+
+
+def test_embeddings_with_the_openai_sdk(server, http, tokenizer):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    texts = ["def add(a, b):", "import os"]
+    result = client.embeddings.create(model="tiny", input=texts)  # the SDK asks for base64 and decodes it
+    as_floats = http.post("/v1/embeddings", json={"model": "tiny", "input": texts}).json()
+    assert [d.index for d in result.data] == [0, 1] and as_floats["object"] == "list"
+    for decoded, plain in zip(result.data, as_floats["data"], strict=True):
+        assert decoded.embedding == pytest.approx(plain["embedding"], abs=1e-6)  # float32 on the wire
+        assert sum(x * x for x in plain["embedding"]) == pytest.approx(1.0, abs=1e-3)
+    ids = tokenizer(texts[0])["input_ids"]
+    assert result.usage.prompt_tokens == len(ids) + len(tokenizer(texts[1])["input_ids"])
+    by_ids = http.post("/v1/embeddings", json={"model": "tiny", "input": ids}).json()
+    assert by_ids["data"][0]["embedding"] == as_floats["data"][0]["embedding"]
+    refused = http.post("/v1/embeddings", json={"model": "tiny", "input": "a", "dimensions": 8})
+    assert refused.status_code == 400 and "matryoshka" in refused.json()["error"]["message"]
+    unauthorized = httpx.post(f"{server[0]}/v1/embeddings", json={"input": "a"}, timeout=30)
+    assert unauthorized.status_code == 401

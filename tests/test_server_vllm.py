@@ -406,6 +406,25 @@ def test_tool_calls_named_required_auto_and_history(client) -> None:
     assert len(deltas) > 1 and deltas[0].id and deltas[0].function.name == "get_weather"
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     json.loads(call.function.arguments)
+    streamed = list(
+        client.chat.completions.create(
+            model="tiny-llama",
+            messages=messages,
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=80,
+            temperature=0,
+            parallel_tool_calls=False,
+            stream=True,
+        )
+    )
+    deltas = [tc for c in streamed if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    # "required" streams too: the forced array's calls as they are decoded, not in one chunk at the end
+    assert len([c for c in streamed if c.choices and c.choices[0].delta.tool_calls]) > 1
+    assert [d.function.name for d in deltas if d.id] == [c.function.name for c in calls]
+    arguments = "".join(d.function.arguments for d in deltas)
+    assert json.loads(arguments) == json.loads(calls[0].function.arguments)
+    assert streamed[-1].choices[0].finish_reason == required.choices[0].finish_reason
 
 
 def test_hermes_parser() -> None:

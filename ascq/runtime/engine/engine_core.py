@@ -50,6 +50,7 @@ class OutputDelta:
     # sent once, with the first delta that has them
     prompt_logprobs: list[dict[int, float] | None] | None = None
     first_scheduled_time: float | None = None  # time.monotonic(): comparable across the server's processes
+    prompt_embedding: list[float] | None = None  # sent once, like prompt_logprobs
 
 
 class DeltaEncoder:
@@ -58,7 +59,7 @@ class DeltaEncoder:
     def __init__(self) -> None:
         self.sent: dict[
             str, dict[int, int]
-        ] = {}  # request id -> index -> number of tokens sent (-1: prompt logprobs)
+        ] = {}  # request id -> index -> number of tokens sent (-1: prompt logprobs, -2: prompt embedding)
 
     def encode(self, output: RequestOutput) -> OutputDelta:
         sent = self.sent.setdefault(output.request_id, {})
@@ -79,6 +80,10 @@ class DeltaEncoder:
         if output.prompt_logprobs is not None and -1 not in sent:
             prompt_logprobs = output.prompt_logprobs
             sent[-1] = 0
+        prompt_embedding = None
+        if output.prompt_embedding is not None and -2 not in sent:
+            prompt_embedding = output.prompt_embedding
+            sent[-2] = 0
         if output.finished:
             del self.sent[output.request_id]
         return OutputDelta(
@@ -88,6 +93,7 @@ class DeltaEncoder:
             completions,
             prompt_logprobs,
             output.first_scheduled_time,
+            prompt_embedding,
         )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from ascq.runtime.engine.engine_args import EngineArgs
 from ascq.runtime.engine.llm_engine import LLMEngine
-from ascq.runtime.engine.outputs import RequestOutput
+from ascq.runtime.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from ascq.runtime.sampling.sampling_params import SamplingParams
 
 # vLLM's prompt shapes: a string, a token id list, TextPrompt {"prompt": str}, TokensPrompt
@@ -134,6 +134,16 @@ class LLM:
         if progress is not None:
             progress.close()
         return [finished[i] for i in ids]
+
+    def embed(
+        self, prompts: PromptType | list[PromptType], use_tqdm: bool = False
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed` with LAST pooling: each prompt's last-token final hidden state, normalized."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling="last")
+        return [
+            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.prompt_embedding), o.prompt_token_ids)
+            for o in self.generate(prompts, params, use_tqdm=use_tqdm)
+        ]
 
     def chat(
         self,

@@ -22,6 +22,7 @@ from ascq.runtime.sched.scheduler import Scheduler
 from ascq.runtime.spec_decode.speculator import Speculator, spec_decode_stats
 from ascq.runtime.worker.kv_cache import kv_cache_torch_dtype
 from ascq.runtime.worker.loader import load_tokenizer, read_config
+from ascq.runtime.worker.pooling import record_prompt_embeddings
 from ascq.runtime.worker.prompt_logprobs import record_prompt_logprobs
 from ascq.runtime.worker.sampler import Sampler
 
@@ -72,6 +73,7 @@ class LLMEngine:
         self.prompt_logprobs: dict[
             int, list[dict[int, float] | None]
         ] = {}  # id(sequence) -> per prompt token
+        self.prompt_embeddings: dict[int, list[float] | None] = {}  # id(sequence) -> pooled prompt
         self.speculator: Speculator | None = None
         if args.speculative_config is not None:
             if sampler is not None:
@@ -121,11 +123,19 @@ class LLMEngine:
                 self.structured.add(id(sequence), params.structured_outputs)
             if params.prompt_logprobs is not None:
                 self.prompt_logprobs[id(sequence)] = [None]
+            if params.pooling is not None:
+                self.prompt_embeddings[id(sequence)] = None
             self.scheduler.add_request(sequence)
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
+        wants_hidden = params.prompt_logprobs is not None or params.pooling is not None
+        if wants_hidden and not self.runner.keeps_hidden_states:
+            raise ValueError(
+                "prompt_logprobs and embeddings need the final hidden states, which multi-process "
+                "(tensor / pipeline parallel) steps do not return to the engine"
+            )
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if message := params.token_ids_in_range(self.vocab_size):
@@ -169,6 +179,8 @@ class LLMEngine:
             record_prompt_logprobs(
                 scheduled, self.prompt_logprobs, self.runner.hidden_states, self.model.compute_logits
             )
+        if self.prompt_embeddings:
+            record_prompt_embeddings(scheduled, self.prompt_embeddings, self.runner.hidden_states)
         self.scheduler.update_after_step(scheduled)
         advanced: dict[str, None] = {}
         if self.speculator is None:
@@ -265,6 +277,7 @@ class LLMEngine:
             finished=all(s.is_finished for s in sequences),
             num_cached_tokens=first.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs.get(id(first)),
+            prompt_embedding=self.prompt_embeddings.get(id(first)),
             first_scheduled_time=first.first_scheduled_time,
         )
 
@@ -273,6 +286,7 @@ class LLMEngine:
             self.texts.pop(id(sequence), None)
             self.structured.remove(id(sequence))
             self.prompt_logprobs.pop(id(sequence), None)
+            self.prompt_embeddings.pop(id(sequence), None)
 
     # ---- speculative decoding (ascq/runtime/spec_decode/) ----------------------------------------------
 

@@ -34,6 +34,7 @@ class _Request:
     params: Any
     sequences: list[_Sequence]
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_embedding: list[float] | None = None
 
 
 class OutputProcessor:
@@ -63,6 +64,8 @@ class OutputProcessor:
             return None, []
         if delta.prompt_logprobs is not None:
             request.prompt_logprobs = delta.prompt_logprobs
+        if delta.prompt_embedding is not None:
+            request.prompt_embedding = delta.prompt_embedding
         stopped = []
         for d in delta.completions:
             sequence = request.sequences[d.index]
@@ -96,6 +99,7 @@ class OutputProcessor:
             delta.num_cached_tokens,
             request.prompt_logprobs,
             delta.first_scheduled_time,
+            request.prompt_embedding,
         )
         return output, stopped
 

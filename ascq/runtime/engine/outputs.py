@@ -27,3 +27,19 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (the first has none)
     # time.monotonic() when the request first left the queue: timing, not part of the output's value
     first_scheduled_time: float | None = field(default=None, compare=False)
+    prompt_embedding: list[float] | None = None  # SamplingParams.pooling's result
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `LLM.embed` result."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

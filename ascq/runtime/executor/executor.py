@@ -364,6 +364,8 @@ class MultiprocExecutor:
 class DistributedModelRunner(ModelRunner):
     """`ModelRunner` whose steps run on every rank: prepare here, broadcast, run this rank's part."""
 
+    keeps_hidden_states = False
+
     def __init__(self, executor: MultiprocExecutor, block_size: int) -> None:
         super().__init__(executor.model, block_size, executor.device)
         self.executor = executor

@@ -42,6 +42,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM < 0.11's name for structured_outputs
+    # "last": also return the prompt's embedding, its last token's final hidden state L2-normalized (vLLM's
+    # LAST pooling for a decoder model's /v1/embeddings; vLLM carries it in PoolingParams)
+    pooling: str | None = None
     # set by the engine from the tokenizer (vLLM's update_from_tokenizer): token ids of each bad word variant
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -99,6 +102,8 @@ class SamplingParams:
                 self.prompt_logprobs is None or self.prompt_logprobs >= 0,
                 f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}",
             ),
+            (self.pooling in (None, "last"), f"pooling must be None or 'last', got {self.pooling!r}"),
+            (self.pooling is None or self.n == 1, "pooling needs n = 1"),
             (all(isinstance(s, str) for s in self.stop), "stop must be a string or a list of strings"),
             (
                 all(isinstance(s, str) and s for s in self.bad_words),

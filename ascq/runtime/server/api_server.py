@@ -39,6 +39,7 @@ from ascq.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     UnsupportedFieldError,
 )
@@ -124,6 +125,10 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def completions(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
         return await serving.completions(body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await serving.embeddings(await parse_body(request, EmbeddingRequest), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

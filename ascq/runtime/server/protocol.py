@@ -208,15 +208,24 @@ class SamplingFields(StrictModel):
         return bias
 
 
+# a prompt, or a batch of them (OpenAI's `prompt` / `input`): text, token ids, texts, lists of token ids
+PromptInput = (
+    str
+    | Annotated[list[int], Field(min_length=1)]
+    | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)]
+    | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)]
+)
+
+
+def prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A `PromptInput` as a list of single prompts."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
 class CompletionRequest(SamplingFields):
-    prompt: (
-        str
-        | Annotated[list[int], Field(min_length=1)]
-        | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)]
-        | Annotated[
-            list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)
-        ]
-    )
+    prompt: PromptInput
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -239,10 +248,7 @@ class CompletionRequest(SamplingFields):
         return self
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompt as a list of single prompts (OpenAI allows a batch in one request)."""
-        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
-            return [self.prompt]
-        return list(self.prompt)
+        return prompt_list(self.prompt)
 
 
 class TextPart(StrictModel):
@@ -368,6 +374,28 @@ class DetokenizeRequest(StrictModel):
     tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
 
 
+class EmbeddingRequest(StrictModel):
+    """OpenAI's /v1/embeddings as vLLM serves a decoder model: the last token's final hidden state,
+    L2-normalized, per input."""
+
+    model: str | None = None
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    # vLLM's
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    priority: int = 0
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of little-endian float32, as OpenAI encodes it
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -468,6 +496,11 @@ class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     prompt_logprobs: PromptLogprobs | None = None
+
+
+class EmbeddingResponse(ResponseBase):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
 
 
 class ChatCompletionChunk(ResponseBase):

@@ -9,8 +9,10 @@ sees them.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
+import struct
 import time
 from typing import Any
 
@@ -34,19 +36,21 @@ from ascq.runtime.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
     DetokenizeRequest,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
     SamplingFields,
     TokenizeRequest,
     Usage,
+    prompt_list,
     random_id,
 )
+from ascq.runtime.server.tool_call_stream import ToolCallStream, tool_call_stream
 from ascq.runtime.server.tool_calls import (
     forced_tool_structure,
     hermes_messages,
-    new_call,
     parse_tool_calls,
     template_renders_tools,
     tool_mode,
@@ -162,6 +166,42 @@ class OpenAIServing:
         )
         return JSONResponse(response.model_dump())
 
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        """vLLM's LAST pooling for a decoder model: each input's last-token final hidden state, L2-normalized
+        (the engine computes one token past the input and drops it)."""
+        self._check_model(body.model)
+        self._check_priority(body)
+        if body.dimensions is not None:  # vLLM refuses it too for a model without matryoshka training
+            raise APIError(
+                400,
+                "dimensions: this model does not support matryoshka representation; its embeddings have "
+                "the model's hidden size",
+                param="dimensions",
+            )
+        prompts = [
+            self._prompt_ids(prompt, i, body.add_special_tokens, body.truncate_prompt_tokens)
+            for i, prompt in enumerate(prompt_list(body.input))
+        ]
+        for i, ids in enumerate(prompts):
+            if len(ids) >= self.max_model_len:
+                raise APIError(
+                    400,
+                    f"this model's maximum context length is {self.max_model_len} tokens, but input {i} has "
+                    f"{len(ids)} tokens (an embedding needs one position past its input)",
+                    param="input",
+                )
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling="last")
+        request_id = request_id_of("embd", body)
+        finals = await _final_outputs(await self._submit(request_id, prompts, params), request)
+        data = [
+            EmbeddingData(index=i, embedding=encode_embedding(final.prompt_embedding, body.encoding_format))
+            for i, final in enumerate(finals)
+        ]
+        num_tokens = sum(len(ids) for ids in prompts)
+        usage = Usage(prompt_tokens=num_tokens, completion_tokens=0, total_tokens=num_tokens)
+        response = EmbeddingResponse(id=request_id, model=self.model_name, data=data, usage=usage)
+        return JSONResponse(response.model_dump())
+
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         self._check_priority(body)
@@ -199,9 +239,7 @@ class OpenAIServing:
         group = await self._submit(request_id_of("chatcmpl", body), [ids], params, body.cache_salt)
         if body.stream and mode is None:
             return _event_stream(self._chat_chunks(group, body, top_n), group)
-        if body.stream and mode == "named":  # the output is the arguments' JSON: stream it as it is decoded
-            return _event_stream(self._chat_named_tool_chunks(group, body, top_n), group)
-        if body.stream:  # tool calls are parsed from the whole message, then sent as chunks
+        if body.stream:
             return _event_stream(self._chat_tool_chunks(group, body, top_n, mode), group)
         (final,) = await _final_outputs(group, request)
         choices = [self._chat_choice(o, body, top_n, mode) for o in final.outputs]
@@ -269,7 +307,7 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def _check_priority(self, body: SamplingFields) -> None:
+    def _check_priority(self, body: SamplingFields | EmbeddingRequest) -> None:
         if body.priority != 0:  # vLLM refuses it too unless started with --scheduling-policy priority
             raise APIError(
                 400,
@@ -447,78 +485,32 @@ class OpenAIServing:
         if include_usage:
             yield chunk([], _usage([finals[0]]))
 
-    async def _chat_named_tool_chunks(
-        self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None
+    async def _chat_tool_chunks(
+        self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None, mode: str
     ):
-        """A named tool_choice streamed as vLLM does: the call's id and name first, then its arguments' JSON
-        in the pieces the engine decodes (they concatenate to the arguments)."""
+        """Tool calls streamed as vLLM streams them: content as it is decoded, each call's id and name
+        first, then its arguments' JSON in pieces that concatenate to them (tool_call_stream.py)."""
         include_usage, continuous = usage_options(body)
-        name = body.tool_choice.function.name
-        started: set[int] = set()
+        streams: dict[int, ToolCallStream] = {}
 
         chunk = self._chat_chunk_writer(group, include_usage)
 
         yield chunk(_role_choices(body.n))
         finals: dict[int, Any] = {}
         async for _, output, o, start in _deltas(group, finals):
-            piece = o.text[start[0] :]
-            if o.index not in started:
-                started.add(o.index)
-                call = new_call(name, "")
-                calls = [
-                    DeltaToolCall(
-                        index=0,
-                        id=call.id,
-                        type="function",
-                        function=DeltaFunctionCall(name=name, arguments=piece),
-                    )
-                ]
-            else:
-                calls = [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=piece))] if piece else []
-            finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
+            stream = streams.setdefault(o.index, tool_call_stream(body, mode))
+            content, calls = stream.feed(o.text, o.finish_reason is not None)
+            finish = "tool_calls" if stream.num_calls and o.finish_reason == "stop" else o.finish_reason
             logprobs = self.logprobs.chat(o.token_ids[start[1] :], (o.logprobs or [])[start[1] :], top_n)
             choice = ChatChunkChoice(
                 index=o.index,
-                delta=DeltaMessage(tool_calls=calls or None),
+                delta=DeltaMessage(content=content or None, tool_calls=calls or None),
                 logprobs=logprobs,
                 finish_reason=finish,
             )
             yield chunk([choice], _running_usage(output, o) if continuous else None)
         if include_usage:
             yield chunk([], _usage([finals[0]]))
-
-    async def _chat_tool_chunks(
-        self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None, mode: str
-    ):
-        include_usage, _ = usage_options(body)  # the whole message comes at once: usage once, at the end
-
-        chunk = self._chat_chunk_writer(group, include_usage)
-
-        yield chunk(_role_choices(body.n))
-        final = await _collect(group)
-        for o in final.outputs:
-            choice = self._chat_choice(o, body, top_n, mode)
-            calls = [
-                DeltaToolCall(
-                    index=k,
-                    id=c.id,
-                    type="function",
-                    function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments),
-                )
-                for k, c in enumerate(choice.message.tool_calls)
-            ]
-            yield chunk(
-                [
-                    ChatChunkChoice(
-                        index=o.index,
-                        delta=DeltaMessage(content=choice.message.content, tool_calls=calls or None),
-                        logprobs=choice.logprobs,
-                        finish_reason=choice.finish_reason,
-                    )
-                ]
-            )
-        if include_usage:
-            yield chunk([], _usage([final]))
 
 
 def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:
@@ -553,7 +545,14 @@ def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | Non
         raise APIError(400, f"{name}: {exc}", param=name) from exc
 
 
-def request_id_of(prefix: str, body: SamplingFields) -> str:
+def encode_embedding(embedding: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's encodings: the floats, or base64 of their little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+    return embedding
+
+
+def request_id_of(prefix: str, body: SamplingFields | EmbeddingRequest) -> str:
     """The response id: vLLM's `request_id` field when the client sends one, else a random one."""
     return f"{prefix}-{body.request_id}" if body.request_id else random_id(prefix)
 
@@ -583,13 +582,6 @@ class ScoredPromptGroup:
                 for o in output.outputs
             ]
             yield i, dataclasses.replace(output, outputs=hidden)
-
-
-async def _collect(group: RequestGroup) -> Any:
-    final = None
-    async for _, output in group:
-        final = output
-    return final
 
 
 async def _deltas(group: RequestGroup, finals: dict[int, Any]):

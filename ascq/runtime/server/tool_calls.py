@@ -124,9 +124,13 @@ def forced_tool_structure(body: ChatCompletionRequest, mode: str | None) -> Stru
     return None
 
 
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 def new_call(name: str, arguments: Any) -> ToolCall:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=text))
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))
 
 
 def parse_tool_calls(

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    keeps_hidden_states = True  # `hidden_states` holds the last step's (prompt_logprobs, pooling)
+
     def __init__(
         self,
         model: nn.Module,
