@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--guidellm-streams", type=int, nargs="+", default=[1, 4, 16], help="concurrencies")
     parser.add_argument("--guidellm-requests", type=int, default=16, help="requests per concurrency")
-    parser.add_argument("--guidellm-max-seconds", type=int, default=150, help="time limit per concurrency")
+    parser.add_argument("--guidellm-max-seconds", type=int, default=180, help="time limit per concurrency")
     parser.add_argument("--guidellm-data", default="prompt_tokens=128,output_tokens=64")
     parser.add_argument("--lm-eval-concurrent", type=int, default=4, help="lm_eval num_concurrent")
     return parser.parse_args(argv)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except AscqError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = [r.line() for r in results] + [f"    {x}" for r in results for x in r.extra_lines]
+    summary = [line for r in results for line in [r.line(), *(f"    {x}" for x in r.extra_lines)]]
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "summary.txt").write_text("\n".join(summary) + "\n")
     failed = [r.name for r in results if not r.ok]
