@@ -3,7 +3,8 @@ outside the repository (created once, reused while its pins stay the same): guid
 sweep), lm-evaluation-harness (local-completions and local-chat-completions on the tasks in lm_eval_tasks/)
 and the openai SDK (Responses API, streamed tool calls). Prints `PASS name: detail` or `FAIL name: reason`
 per client check and exits non-zero when any failed. No client may reach the Hugging Face hub: the hub is
-switched offline and every tokenizer is the model's own folder. Reports are written to results/.
+switched offline and every tokenizer is the model's own folder. Reports are written to results/. The server
+inherits this environment: on a busy shared machine, OMP_NUM_THREADS=1 (docs/benchmarks.md, real clients).
 
     PYTHONPATH=. python benchmarks/clients/run_all.py --model zoo/smollm2-135m-instruct
 """
