@@ -224,6 +224,10 @@ def _prepare_native(p: CpuLinear) -> None:
     zeros = None if p.zero is None else p.zero.repeat_interleave(repeats, 1)
     p.packed = native.pack(p.weight, bits, p.scale.repeat_interleave(repeats, 1), zeros, group_size)
     p.weight = None  # large M dequantizes from the packed copy
+    # ... with these: in the fewest bytes that hold them exactly (a group-64 model's fp32 qparams are 1/8 byte
+    # per weight)
+    p.scale = native.compact_qparams(p.scale, integral=False)
+    p.zero = None if p.zero is None else native.compact_qparams(p.zero, integral=True)
 
 
 def _prepare_fbgemm(p: CpuLinear) -> None:

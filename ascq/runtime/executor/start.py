@@ -37,7 +37,9 @@ def start_model(
     if args.world_size > 1:
         return _start_ranks(args, config, dtype)
     free_before_load = args.available_memory()
-    model, quant_config = load_model(args.model, args.device, dtype, config)
+    model, quant_config = load_model(
+        args.model, args.device, dtype, config, load_format=args.load_format, seed=args.seed
+    )
     block_bytes = bytes_per_block(model, args.block_size, kv_cache_dtype)
     memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model))
     num_blocks = num_blocks_for(memory, block_bytes, args.num_gpu_blocks_override)
