@@ -7,6 +7,7 @@ batch-1 decode (a 64-token streamed completion, ignore_eos: tokens after the fir
     OMP_NUM_THREADS=2 python benchmarks/dummy_serve.py [--model zoo/deepseek-moe-16b] [--recipe awq-int4] \
         [--json out.json]
 
+With no --max-model-len / --kv-cache-memory the server runs with its defaults: the card's command as typed.
 tests/test_dummy_serve.py (slow) runs it and checks its JSON.
 """
 
@@ -67,10 +68,15 @@ def decode_tokens_per_s(client: openai.OpenAI, model: str, num_tokens: int) -> f
     return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
 
 
-def measure(model: str, recipe: str, max_model_len: int, kv_cache_memory: int, decode_tokens: int) -> dict:
+def measure(
+    model: str, recipe: str, max_model_len: int | None, kv_cache_memory: int | None, decode_tokens: int
+) -> dict:
     log_path = Path(tempfile.mkdtemp(prefix="dummy-serve-")) / "server.log"
-    extra = ["--load-format", "dummy", "--quantization", recipe, "--max-model-len", str(max_model_len)]
-    extra += ["--kv-cache-memory", str(kv_cache_memory)]
+    extra = ["--load-format", "dummy", "--quantization", recipe]
+    if max_model_len is not None:
+        extra += ["--max-model-len", str(max_model_len)]
+    if kv_cache_memory is not None:
+        extra += ["--kv-cache-memory", str(kv_cache_memory)]
     rss = PeakRss()
     started = time.monotonic()
     try:
@@ -106,8 +112,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="zoo/deepseek-moe-16b")
     parser.add_argument("--recipe", default="awq-int4")
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    parser.add_argument("--max-model-len", type=int, help="default: the model's")
+    parser.add_argument("--kv-cache-memory", type=int, help="bytes (default: the server's)")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -14,6 +14,7 @@ import torch
 from ascq import LLM, SamplingParams
 from ascq.cli import main
 from ascq.core.errors import AscqError
+from ascq.platforms.cpu import MAX_DEFAULT_KV_CACHE_BYTES
 from ascq.quantize.planned_config import planned_quantization_config
 from ascq.runtime.engine.engine_args import EngineArgs
 from ascq.runtime.models import weights as model_weights
@@ -112,3 +113,14 @@ def test_recipe_names_need_dummy_and_bad_formats_are_refused(tiny_llama_dir: Pat
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", str(PLANNED_16B), "--prompt", "a", "--max-tokens", "1"])
     assert exit_info.value.code != 0 and "has no weights yet" in capsys.readouterr().err
+
+
+def test_the_default_kv_cache_holds_one_max_model_len_sequence(tiny_llama_dir: Path) -> None:
+    """The 16B card command with no KV flags: a tenth of free memory held 3936 of 4096 tokens and the server
+    refused to start; the default is now at least one full sequence."""
+    args = EngineArgs(tiny_llama_dir)
+    assert args.resolve_kv_cache_memory(sequence_bytes=10**13) == 10**13
+    assert 1 < args.resolve_kv_cache_memory(sequence_bytes=1) <= MAX_DEFAULT_KV_CACHE_BYTES  # the share
+    # an explicit budget is the user's: the start-up check names what one sequence needs
+    explicit = EngineArgs(tiny_llama_dir, kv_cache_memory=1 << 20)
+    assert explicit.resolve_kv_cache_memory(sequence_bytes=1 << 30) == 1 << 20

@@ -259,9 +259,12 @@ class EngineArgs:
         """Free bytes on the device (host RAM for the CPU backends), read before the weights load."""
         return platform_for(self.torch_device).free_memory(self.torch_device)  # where the tensors live
 
-    def resolve_kv_cache_memory(self, free_before_load: int | None = None, weight_bytes: int = 0) -> int:
+    def resolve_kv_cache_memory(
+        self, free_before_load: int | None = None, weight_bytes: int = 0, sequence_bytes: int = 0
+    ) -> int:
         """KV bytes: kv_cache_memory; else gpu_memory_utilization x free memory (before load) minus the
-        weights; else a default share of what is free now."""
+        weights; else a default share of what is free now, but at least `sequence_bytes` (one max_model_len
+        sequence: a server refuses to start with less)."""
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
         if self.gpu_memory_utilization is not None and free_before_load is not None:
@@ -273,7 +276,7 @@ class EngineArgs:
                     f"leaves no room for the KV cache after {weight_bytes / 2**30:.2f} GiB of weights"
                 )
             return budget
-        return platform_for(self.torch_device).default_kv_cache_bytes(self.torch_device)
+        return max(platform_for(self.torch_device).default_kv_cache_bytes(self.torch_device), sequence_bytes)
 
 
 def is_weight_only_quantized(config: dict[str, Any]) -> bool:

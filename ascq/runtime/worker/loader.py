@@ -17,10 +17,12 @@ from typing import Any
 import torch
 
 from ascq.core.errors import AscqError, UnsupportedError
+from ascq.core.heap import trim_heap
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import get_backend
 from ascq.kernels import torch_device as backend_torch_device
+from ascq.runtime.layers.moe import FusedMoE
 from ascq.runtime.models import model_class_for
 from ascq.runtime.models.weights import finalize_model, finalize_module
 from ascq.runtime.worker.dummy import dummy_tokenizer, dummy_weights, has_tokenizer
@@ -150,7 +152,13 @@ def load_model(
     )
     weights = ((name, t.to(torch_device)) for name, t in source if keep(name))
     backend = get_backend(device)
-    model.load_weights(weights, scheme_for, lambda m: finalize_module(m, backend, dtype, torch_device))
+
+    def loaded(module: torch.nn.Module) -> None:
+        finalize_module(module, backend, dtype, torch_device)
+        if isinstance(module, FusedMoE):  # a MoE layer's unpacked experts were just freed
+            trim_heap()
+
+    model.load_weights(weights, scheme_for, loaded)
     finalize_model(model, backend, dtype, torch_device)
     return model.eval(), quant
 
