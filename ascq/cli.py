@@ -312,6 +312,26 @@ MasterAddr = Annotated[str, typer.Option(help="Node 0's address for the rendezvo
 MasterPort = Annotated[
     int | None, typer.Option(help="Rendezvous port on node 0 (default: a free one, one node).")
 ]
+LoadFormat = Annotated[
+    str,
+    typer.Option(
+        help="auto: the checkpoint's weights; dummy: random weights at the config's shape (vLLM's), in "
+        "the checkpoint's format or --quantization RECIPE's."
+    ),
+]
+Quantization = Annotated[
+    str | None,
+    typer.Option(
+        help="Expected checkpoint quant_method (checked); with --load-format dummy, a recipe name "
+        "(awq-int4, w8a8, ...) for the dummy weights' format."
+    ),
+]
+Tokenizer = Annotated[
+    str | None,
+    typer.Option(
+        help="Tokenizer folder (default: the model's; dummy weights without one: a byte-level one)."
+    ),
+]
 SpeculativeConfig = Annotated[
     str | None,
     typer.Option(
@@ -377,9 +397,9 @@ def generate(
     enable_prefix_caching: Annotated[
         bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")
     ] = True,
-    quantization: Annotated[
-        str | None, typer.Option(help="Expected checkpoint quant_method (checked).")
-    ] = None,
+    quantization: Quantization = None,
+    load_format: LoadFormat = "auto",
+    tokenizer: Tokenizer = None,
     tensor_parallel_size: TensorParallelSize = 1,
     pipeline_parallel_size: PipelineParallelSize = 1,
     enable_expert_parallel: EnableExpertParallel = False,
@@ -395,7 +415,8 @@ def generate(
     if bool(prompt) == bool(chat):
         raise AscqError("give --prompt TEXT or --chat MESSAGE (each may repeat), not both and not neither")
     model = resolve_local_model(model)  # a path or a zoo entry name
-    require_weights(model)  # a planned zoo entry: say which command produces its weights
+    if load_format != "dummy":
+        require_weights(model)  # a planned zoo entry: say which command produces its weights
     check_device(device)  # --device cuda without CUDA, npu without torch_npu: one line, not a traceback
 
     try:
@@ -415,6 +436,8 @@ def generate(
             enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching,
             quantization=quantization,
+            load_format=load_format,
+            tokenizer=tokenizer,
             **parallel_args(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel),
             speculative_config=speculative_config,
         )
@@ -483,9 +506,9 @@ def serve(
     enable_prefix_caching: Annotated[
         bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")
     ] = True,
-    quantization: Annotated[
-        str | None, typer.Option(help="Expected checkpoint quant_method (checked).")
-    ] = None,
+    quantization: Quantization = None,
+    load_format: LoadFormat = "auto",
+    tokenizer: Tokenizer = None,
     enable_auto_tool_choice: Annotated[
         bool,
         typer.Option(help="Let the model decide to call tools (tool_choice auto); needs --tool-call-parser."),
@@ -541,7 +564,8 @@ def serve(
     from ascq.zoo.planned import require_weights
 
     model = resolve_local_model(model)  # a path or a zoo entry name
-    require_weights(model)  # a planned zoo entry: say which command produces its weights
+    if load_format != "dummy":
+        require_weights(model)  # a planned zoo entry: say which command produces its weights
     check_device(device)  # --device cuda without CUDA, npu without torch_npu: one line, not a traceback
     engine_args = EngineArgs(
         model=model,
@@ -559,6 +583,8 @@ def serve(
         enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching,
         quantization=quantization,
+        load_format=load_format,
+        tokenizer=tokenizer,
         performance_mode=performance_mode,
         speculative_config=speculative_config,
         **parallel_args(
@@ -731,6 +757,8 @@ def bench_throughput(
     kv_cache_memory: KvMemory = None,
     enforce_eager: EnforceEager = None,
     performance_mode: PerfMode = None,
+    load_format: LoadFormat = "auto",
+    quantization: Quantization = None,
     goodput: Goodput = None,
     save_result: SaveResult = None,
     compare: Compare = None,
@@ -757,6 +785,8 @@ def bench_latency(
     kv_cache_memory: KvMemory = None,
     enforce_eager: EnforceEager = None,
     performance_mode: PerfMode = None,
+    load_format: LoadFormat = "auto",
+    quantization: Quantization = None,
     goodput: Goodput = None,
     save_result: SaveResult = None,
     compare: Compare = None,

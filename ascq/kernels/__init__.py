@@ -80,7 +80,7 @@ class QuantLinearWeights:
         if self.weight_scale is None:
             raise AscqError(f"{self.scheme} weight needs weight_scale")
         if self.num_bits == 4 and not self.weight.is_meta:
-            low, high = int(self.weight.min()), int(self.weight.max())
+            low, high = (int(v) for v in torch.aminmax(self.weight))
             if low < -8 or high > 7:
                 raise AscqError(
                     f"{self.scheme} weight values must be signed int4 in [-8, 7], got [{low}, {high}]"

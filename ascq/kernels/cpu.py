@@ -224,6 +224,12 @@ def _prepare_native(p: CpuLinear) -> None:
     zeros = None if p.zero is None else p.zero.repeat_interleave(repeats, 1)
     p.packed = native.pack(p.weight, bits, p.scale.repeat_interleave(repeats, 1), zeros, group_size)
     p.weight = None  # large M dequantizes from the packed copy
+    if BF16_GEMM_FAST:  # large M dequantizes from the packed copy's own qparams (`_bf16_values`)
+        p.scale = p.zero = None
+        return
+    # else with these, in the fewest bytes that hold them exactly (fp32 qparams of group 64: 1/8 byte each)
+    p.scale = native.compact_qparams(p.scale, integral=False)
+    p.zero = None if p.zero is None else native.compact_qparams(p.zero, integral=True)
 
 
 def _prepare_fbgemm(p: CpuLinear) -> None:
@@ -310,6 +316,9 @@ def _unpacks_exactly(p: CpuLinear) -> bool:
 
 def _dequantized(p: CpuLinear) -> torch.Tensor:
     buf = _workspace(p.out_features, p.weights.in_features)
+    if p.kernel == "native" and p.scale is None:  # qparams only in the packed copy
+        bf16 = _workspace(p.out_features, p.weights.in_features, torch.bfloat16)
+        return buf.copy_(native.dequantize_bf16(None, p.packed, bf16))
     if p.weight is None and p.kernel == "native":
         native.unpack_into(p.packed, buf)
     elif p.weight is None:

@@ -281,7 +281,7 @@ def _tiled(t: torch.Tensor, n_padded: int) -> torch.Tensor:
     return t.view(n_padded // TILE, TILE, -1).transpose(1, 2).contiguous()
 
 
-def _compact(t: torch.Tensor, integral: bool) -> torch.Tensor:
+def compact_qparams(t: torch.Tensor, integral: bool) -> torch.Tensor:
     """The fewest bytes that hold `t`'s values exactly: int8 (where `integral`), bf16, else fp32."""
     if integral and torch.equal(t, t.round()) and -128 <= t.min() and t.max() <= 127:
         return t.to(torch.int8)
@@ -301,16 +301,20 @@ def pack(
     (else fp32)."""
     n, k = q.shape
     n_padded = -(-n // TILE) * TILE
-    # t, j, quad, h, p
-    q = F.pad(q.to(torch.int16), (0, 0, 0, n_padded - n)).view(n_padded // TILE, TILE, k // 4, 2, 2)
+    # t, j, quad, h, p; two's complement bytes: int4 value + 8 (mod 256) is its offset-binary nibble
+    q = F.pad(q.to(torch.int8).view(torch.uint8), (0, 0, 0, n_padded - n))
+    q = q.view(n_padded // TILE, TILE, k // 4, 2, 2)
     if bits == 4:
-        u = (q + 8).to(torch.uint8).permute(0, 2, 1, 4, 3)  # t, quad, j, p, h
+        u = (q + 8).permute(0, 2, 1, 4, 3)  # t, quad, j, p, h
         data = u[..., 0] | (u[..., 1] << 4)
     else:
-        data = q.to(torch.int8).permute(0, 2, 3, 1, 4).view(torch.uint8)  # t, quad, h, j, p
+        data = q.permute(0, 2, 3, 1, 4)  # t, quad, h, j, p
     scales, zeros = scales.float(), None if zeros is None else zeros.float()
     if compact:
-        scales, zeros = _compact(scales, False), None if zeros is None else _compact(zeros, True)
+        scales, zeros = (
+            compact_qparams(scales, False),
+            None if zeros is None else compact_qparams(zeros, True),
+        )
     return PackedWeights(
         data.reshape(n_padded // TILE, k * bits).contiguous(),
         bits,

@@ -23,6 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ascq.core.errors import AscqError
+from ascq.core.heap import trim_heap
 from ascq.core.norm import rms_norm
 from ascq.core.qmath import linear_group_size
 from ascq.evaluate import eval_windows, perplexity
@@ -76,13 +77,6 @@ def return_freed_memory_to_os() -> None:
     except OSError:  # not glibc
         return
     libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
-
-
-def trim_heap() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def checkpoint_dtypes(reader: CheckpointReader) -> tuple[torch.dtype, torch.dtype]:

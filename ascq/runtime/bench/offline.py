@@ -46,6 +46,8 @@ class OfflineBenchOptions:
     kv_cache_memory: int | None = None
     enforce_eager: bool | None = None
     performance_mode: str | None = None
+    load_format: str = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "input_len", "output_len", "batch_size", "num_iters"):
@@ -63,6 +65,8 @@ class OfflineBenchOptions:
             "kv_cache_memory",
             "enforce_eager",
             "performance_mode",
+            "load_format",
+            "quantization",
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 

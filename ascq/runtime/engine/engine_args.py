@@ -26,6 +26,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # the user left unset (None); an explicit value always wins. Latency keeps batches small and prefill chunks
 # short so a long prompt never stalls the running decodes for long; throughput batches as much as the cache
 # allows.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULER_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
 PERFORMANCE_MODES = {
     "latency": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
@@ -54,7 +55,9 @@ class EngineArgs:
     performance_mode: str | None = None  # latency | throughput (PERFORMANCE_MODES), None: the knobs as given
     # vLLM's names: accepted with their meaning, or rejected with a reason (see check_vllm_args)
     gpu_memory_utilization: float | None = None  # share of free memory (RAM / HBM) for weights + KV cache
-    quantization: str | None = None  # must match the checkpoint's quant_method
+    # must match the checkpoint's quant_method; with load_format "dummy", may name a shipped recipe instead
+    quantization: str | None = None
+    load_format: str = "auto"  # vLLM's: auto / safetensors (the checkpoint), dummy (random weights)
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     swap_space: float = 0
@@ -103,6 +106,10 @@ class EngineArgs:
         self._check_vllm_args()
 
     def _check_vllm_args(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise UnsupportedError(
+                f"load_format {self.load_format!r} is not supported; supported: {', '.join(LOAD_FORMATS)}"
+            )
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise AscqError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.trust_remote_code:
@@ -119,11 +126,41 @@ class EngineArgs:
                 "cpu_offload_gb (weight offloading) is not supported (use cpu_offload_gb=0)"
             )
 
+    def model_config(self) -> dict[str, Any]:
+        """config.json; with load_format dummy and a recipe named in `quantization`, plus the
+        quantization_config that recipe's conversion writes (`ct_writer.planned_quantization_config`)."""
+        from ascq.runtime.worker.loader import read_config
+
+        config = read_config(self.model)
+        if not self._dummy_recipe():
+            return config
+        if config.get("quantization_config") or config.get("compression_config"):
+            raise AscqError(
+                f"{self.model} is already quantized: drop quantization={self.quantization!r} to make dummy "
+                "weights in its own format"
+            )
+        from ascq.quantize.planned_config import planned_quantization_config
+
+        return {**config, "quantization_config": planned_quantization_config(config, self.quantization)}
+
+    def _dummy_recipe(self) -> bool:
+        from ascq.quantize.recipe import available_recipes
+
+        return self.load_format == "dummy" and self.quantization in available_recipes()
+
     def check_quantization(self, config: dict[str, Any]) -> None:
         """`quantization` is what the user expects the checkpoint to be: a mismatch is an error, never a
         cast."""
-        if self.quantization is None:
+        if self.quantization is None or self._dummy_recipe():
             return
+        from ascq.quantize.recipe import available_recipes
+
+        if self.quantization in available_recipes():
+            raise AscqError(
+                f"quantization={self.quantization!r} names a recipe, which makes weights only with "
+                "load_format='dummy'; convert real weights with `ascq convert MODEL --recipe "
+                f"{self.quantization}`"
+            )
         raw = config.get("quantization_config") or config.get("compression_config")
         method = (raw or {}).get("quant_method")
         if method is None:
@@ -222,9 +259,12 @@ class EngineArgs:
         """Free bytes on the device (host RAM for the CPU backends), read before the weights load."""
         return platform_for(self.torch_device).free_memory(self.torch_device)  # where the tensors live
 
-    def resolve_kv_cache_memory(self, free_before_load: int | None = None, weight_bytes: int = 0) -> int:
+    def resolve_kv_cache_memory(
+        self, free_before_load: int | None = None, weight_bytes: int = 0, sequence_bytes: int = 0
+    ) -> int:
         """KV bytes: kv_cache_memory; else gpu_memory_utilization x free memory (before load) minus the
-        weights; else a default share of what is free now."""
+        weights; else a default share of what is free now, but at least `sequence_bytes` (one max_model_len
+        sequence: a server refuses to start with less)."""
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
         if self.gpu_memory_utilization is not None and free_before_load is not None:
@@ -236,7 +276,7 @@ class EngineArgs:
                     f"leaves no room for the KV cache after {weight_bytes / 2**30:.2f} GiB of weights"
                 )
             return budget
-        return platform_for(self.torch_device).default_kv_cache_bytes(self.torch_device)
+        return max(platform_for(self.torch_device).default_kv_cache_bytes(self.torch_device), sequence_bytes)
 
 
 def is_weight_only_quantized(config: dict[str, Any]) -> bool:

@@ -21,7 +21,7 @@ from ascq.runtime.sched.request import Request
 from ascq.runtime.sched.scheduler import Scheduler
 from ascq.runtime.spec_decode.speculator import Speculator, spec_decode_stats
 from ascq.runtime.worker.kv_cache import kv_cache_torch_dtype
-from ascq.runtime.worker.loader import load_tokenizer, read_config
+from ascq.runtime.worker.loader import engine_tokenizer
 from ascq.runtime.worker.pooling import record_prompt_embeddings
 from ascq.runtime.worker.prompt_logprobs import record_prompt_logprobs
 from ascq.runtime.worker.sampler import Sampler
@@ -51,12 +51,12 @@ class LLMEngine:
         `finish_sequence`)."""
         self.args = args
         self.detokenize = detokenize
-        config = read_config(args.model)
+        config = args.model_config()
         self.config = config
         self.dtype = args.resolve_dtype(config)
         self.max_model_len = args.resolve_max_model_len(config)
         self.device = args.torch_device
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.tokenizer or args.model)
+        self.tokenizer = tokenizer if tokenizer is not None else engine_tokenizer(args)
         self.eos_token_ids = eos_token_ids(args.model, self.tokenizer)
         self.vocab_size = int(config["vocab_size"])
         torch.manual_seed(args.seed)

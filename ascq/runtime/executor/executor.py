@@ -116,7 +116,9 @@ def init_rank(
         args.enable_expert_parallel,
     )
     prepare = (lambda model: prune_for_stage(model, ps)) if ps.pp_size > 1 else None
-    model, quant = load_model(args.model, device, dtype, config, prepare=prepare)
+    model, quant = load_model(
+        args.model, device, dtype, config, prepare=prepare, load_format=args.load_format, seed=args.seed
+    )
     cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
     block_bytes = torch.tensor([bytes_per_block(model, args.block_size, cache_dtype)], dtype=torch.int64)
     dist.all_reduce(block_bytes, op=dist.ReduceOp.MAX, group=ps.cpu_group)
@@ -189,9 +191,7 @@ def run_worker(
 def run_node(args: Any) -> None:
     """A node other than node 0 (`--node-rank R`) or a torchrun rank other than 0: run this node's ranks until
     rank 0 stops them."""
-    from ascq.runtime.worker.loader import read_config
-
-    config = read_config(args.model)
+    config = args.model_config()
     dtype = args.resolve_dtype(config)
     if torchrun_rank() is not None:  # torchrun started this very rank
         info = RankInfo(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), "env://")

@@ -37,9 +37,12 @@ def start_model(
     if args.world_size > 1:
         return _start_ranks(args, config, dtype)
     free_before_load = args.available_memory()
-    model, quant_config = load_model(args.model, args.device, dtype, config)
+    model, quant_config = load_model(
+        args.model, args.device, dtype, config, load_format=args.load_format, seed=args.seed
+    )
     block_bytes = bytes_per_block(model, args.block_size, kv_cache_dtype)
-    memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model))
+    sequence_bytes = -(-args.resolve_max_model_len(config) // args.block_size) * block_bytes
+    memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model), sequence_bytes)
     num_blocks = num_blocks_for(memory, block_bytes, args.num_gpu_blocks_override)
     allocate_kv_cache(model, num_blocks, args.block_size, kv_cache_dtype, args.torch_device)
     runner = ModelRunner(
@@ -60,7 +63,8 @@ def _start_ranks(args: Any, config: dict[str, Any], dtype: torch.dtype) -> Start
 
     def num_blocks(block_bytes: int, model: torch.nn.Module) -> int | str:
         try:
-            memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model))
+            sequence_bytes = -(-args.resolve_max_model_len(config) // args.block_size) * block_bytes
+            memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model), sequence_bytes)
             return num_blocks_for(memory, block_bytes, args.num_gpu_blocks_override)
         except AscqError as exc:
             return str(exc)

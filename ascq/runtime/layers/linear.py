@@ -74,7 +74,14 @@ class LinearBase(nn.Module):
     def shard_tensor(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
         return shard_tensor(tensor, param_name, self.tp_dim, self.input_size * tp_world_size())
 
+    def is_loaded(self) -> bool:
+        """Every shard has its weight (a checkpoint module's tensors arrive together, so it is complete once
+        loading moves on to another module)."""
+        return all("weight" in params for params in self.pending.values())
+
     def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
+        if self.prepared is not None:  # finalized while loading
+            return
         missing = [str(k) for k, params in self.pending.items() if "weight" not in params]
         if missing:
             raise AscqError(f"checkpoint is missing weights for linear shards {missing}")
@@ -149,6 +156,8 @@ class RowParallelLinear(LinearBase):
         self.global_token_scale = False
 
     def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
+        if self.prepared is not None:
+            return
         params = self.pending.get(0, {})
         scale = params.get("weight_scale")
         if (

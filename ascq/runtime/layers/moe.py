@@ -65,11 +65,20 @@ class FusedMoE(nn.Module):
             self.pending.setdefault((expert_id, projection), {})[param_name] = tensor
             self.schemes[(expert_id, projection)] = scheme
 
-    def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
+    def _missing(self) -> list[str]:
         local = range(self.first_expert, self.first_expert + self.num_local_experts)
-        missing = [
+        return [
             f"{e}.{p}" for e in local for p in PROJECTIONS if "weight" not in self.pending.get((e, p), {})
         ]
+
+    def is_loaded(self) -> bool:
+        return not self._missing()
+
+    def finalize(self, backend: ModuleType, dtype: torch.dtype) -> None:
+        if self.prepared is not None:  # finalized while loading
+            return
+        local = range(self.first_expert, self.first_expert + self.num_local_experts)
+        missing = self._missing()
         if missing:
             raise AscqError(f"checkpoint is missing expert weights: {', '.join(missing[:4])}")
         gate, up, down = (

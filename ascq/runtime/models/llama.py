@@ -187,7 +187,10 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], scheme_for: Callable[[str], str]
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        scheme_for: Callable[[str], str],
+        on_loaded: Callable[[nn.Module], None] | None = None,
     ) -> None:
         def with_tied_head() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
@@ -197,7 +200,7 @@ class CausalLM(nn.Module):
                 if name == "model.embed_tokens.weight" and self.tie_word_embeddings:
                     yield "lm_head.weight", tensor
 
-        load_named_weights(self, with_tied_head(), scheme_for)
+        load_named_weights(self, with_tied_head(), scheme_for, on_loaded)
 
 
 class LlamaForCausalLM(CausalLM):

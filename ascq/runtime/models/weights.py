@@ -29,10 +29,27 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_named_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], scheme_for: Callable[[str], str]
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    scheme_for: Callable[[str], str],
+    on_loaded: Callable[[nn.Module], None] | None = None,
 ) -> None:
-    """Hand each (name, tensor) to the module that owns it; unknown names are an error."""
+    """Hand each (name, tensor) to the module that owns it; unknown names are an error.
+
+    `on_loaded(module)`: called for a linear or expert block once loading has moved on from it with all its
+    weights in (finalize it there: a quantized checkpoint's unpacked tensors are then never all held at
+    once); modules still incomplete then are left to `finalize_model`."""
     modules = dict(model.named_modules())
+    current: list[nn.Module] = []  # the linear / expert block the last tensor went to
+
+    def moved_to(module: nn.Module) -> None:
+        if current and current[0] is not module:
+            if on_loaded is not None and current[0].is_loaded():
+                on_loaded(current[0])
+            current.clear()
+        if not current:
+            current.append(module)
+
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES):
             continue
@@ -47,16 +64,19 @@ def load_named_weights(
         if expert:
             moe_prefix, expert_id, projection = expert.groups()
             moe = _module(modules, moe_prefix, name, FusedMoE)
+            moved_to(moe)
             moe.weight_loader(param, tensor, int(expert_id), projection, scheme_for(prefix))
             continue
         parent, _, leaf = prefix.rpartition(".")
         if leaf in PACKED_MODULES and not isinstance(modules.get(prefix), LinearBase):
             target, shard_id = PACKED_MODULES[leaf]
             linear = _module(modules, f"{parent}.{target}", name, LinearBase)
+            moved_to(linear)
             linear.weight_loader(param, tensor, shard_id, scheme_for(prefix))
             continue
         module = modules.get(prefix)
         if isinstance(module, LinearBase):
+            moved_to(module)
             module.weight_loader(param, tensor, 0, scheme_for(prefix))
         elif module is not None and hasattr(module, "weight_loader") and hasattr(module, param):
             module.weight_loader(param, tensor)
@@ -64,6 +84,8 @@ def load_named_weights(
             raise AscqError(
                 f"checkpoint tensor {name!r} does not belong to any layer of {type(model).__name__}"
             )
+    if current and on_loaded is not None and current[0].is_loaded():
+        on_loaded(current[0])
 
 
 def _module(modules: dict[str, nn.Module], name: str, tensor_name: str, kind: type) -> nn.Module:
@@ -73,11 +95,17 @@ def _module(modules: dict[str, nn.Module], name: str, tensor_name: str, kind: ty
     return module
 
 
+def finalize_module(module: nn.Module, backend: ModuleType, dtype: torch.dtype, device: torch.device) -> None:
+    """Prepare one module's kernel weights, cast its plain parameters, move its buffers to the device (again
+    on a module already finalized: a no-op)."""
+    if hasattr(module, "finalize"):
+        module.finalize(backend, dtype)
+    cast_parameters(module, dtype, device)
+    for name, buffer in list(module.named_buffers(recurse=False)):
+        setattr(module, name, buffer.to(device))
+
+
 def finalize_model(model: nn.Module, backend: ModuleType, dtype: torch.dtype, device: torch.device) -> None:
-    """After loading: prepare kernels' weights, cast plain parameters, move buffers to the device."""
+    """After loading: every module not finalized while loading."""
     for module in model.modules():
-        if hasattr(module, "finalize"):
-            module.finalize(backend, dtype)
-        cast_parameters(module, dtype, device)
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            setattr(module, name, buffer.to(device))
+        finalize_module(module, backend, dtype, device)

@@ -405,11 +405,10 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
     """Start the engine process, serve until SIGTERM/SIGINT, drain, return (exit code 0); exit code 1 when the
     engine process dies. `sock`: the already bound listening socket (bind_socket), else it is bound here,
     still before the model loads."""
-    from transformers import AutoTokenizer
-
     from ascq.runtime.engine.engine_core import EngineCoreProcess
     from ascq.runtime.server.chat_template import load_chat_template
     from ascq.runtime.server.metrics import ServerMetrics
+    from ascq.runtime.worker.loader import engine_tokenizer
 
     sock = sock or bind_socket(options.host, options.port)
     if not logger.handlers:  # uvicorn configures only its own loggers
@@ -429,7 +428,7 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
     for line in core.info["startup_lines"]:
         logger.info(line)
     # the event loop's own tokenizer copy
-    tokenizer = AutoTokenizer.from_pretrained(str(engine_args.tokenizer or engine_args.model))
+    tokenizer = engine_tokenizer(engine_args)
     async_engine = AsyncEngine(
         core,
         tokenizer,

@@ -17,12 +17,15 @@ from typing import Any
 import torch
 
 from ascq.core.errors import AscqError, UnsupportedError
+from ascq.core.heap import trim_heap
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import get_backend
 from ascq.kernels import torch_device as backend_torch_device
+from ascq.runtime.layers.moe import FusedMoE
 from ascq.runtime.models import model_class_for
-from ascq.runtime.models.weights import finalize_model
+from ascq.runtime.models.weights import finalize_model, finalize_module
+from ascq.runtime.worker.dummy import dummy_tokenizer, dummy_weights, has_tokenizer
 
 SUPPORTED_SCHEMES = (
     "W8A8 (int8 static or dynamic per-token), W4A16, W8A16 (per-channel or group), W4A8 (dynamic)"
@@ -127,11 +130,15 @@ def load_model(
     dtype: torch.dtype,
     config: dict[str, Any] | None = None,
     prepare: Callable[[torch.nn.Module], Callable[[str], bool]] | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> tuple[torch.nn.Module, QuantConfig | None]:
-    """Build the model on the meta device, stream the checkpoint into it, prepare the kernels' weights.
+    """Build the model on the meta device, stream the checkpoint into it (each linear's kernel weights are
+    prepared as soon as its tensors are in), prepare the rest.
 
     `prepare(meta_model) -> keep(name)`: a pipeline stage drops the modules other stages own and loads only
-    the tensors `keep` accepts."""
+    the tensors `keep` accepts. `load_format="dummy"`: random weights in the checkpoint's format
+    (`dummy.dummy_weights`, seeded: every rank makes the same)."""
     config = config or read_config(model_dir)
     raw_quant = config.get("quantization_config") or config.get("compression_config")
     quant = QuantConfig(raw_quant) if raw_quant else None
@@ -140,9 +147,19 @@ def load_model(
     with torch.device("meta"):
         model = model_class_for(config)(config)
     keep = prepare(model) if prepare is not None else (lambda name: True)
-    weights = ((name, t.to(torch_device)) for name, t in iter_checkpoint(model_dir, quant) if keep(name))
-    model.load_weights(weights, scheme_for)
-    finalize_model(model, get_backend(device), dtype, torch_device)
+    source = (
+        dummy_weights(config, quant, seed) if load_format == "dummy" else iter_checkpoint(model_dir, quant)
+    )
+    weights = ((name, t.to(torch_device)) for name, t in source if keep(name))
+    backend = get_backend(device)
+
+    def loaded(module: torch.nn.Module) -> None:
+        finalize_module(module, backend, dtype, torch_device)
+        if isinstance(module, FusedMoE):  # a MoE layer's unpacked experts were just freed
+            trim_heap()
+
+    model.load_weights(weights, scheme_for, loaded)
+    finalize_model(model, backend, dtype, torch_device)
     return model.eval(), quant
 
 
@@ -153,3 +170,11 @@ def load_tokenizer(path: Any) -> Any:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise AscqError(f"cannot load a tokenizer from {path}: {' '.join(str(exc).split())[:200]}") from exc
+
+
+def engine_tokenizer(args: Any) -> Any:
+    """The tokenizer an engine serves with: `args.tokenizer`, else the model folder's; with load_format dummy
+    and a folder that has none, `dummy.dummy_tokenizer` over the config's vocabulary."""
+    if args.tokenizer is None and args.load_format == "dummy" and not has_tokenizer(args.model):
+        return dummy_tokenizer(int(read_config(args.model)["vocab_size"]))
+    return load_tokenizer(args.tokenizer or args.model)
