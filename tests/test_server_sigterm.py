@@ -17,7 +17,7 @@ def refuses_new_requests(base_url: str, timeout_s: float) -> bool:
     while time.monotonic() < deadline:
         try:
             body = {"prompt": "x", "max_tokens": 1}
-            if httpx.post(f"{base_url}/v1/completions", json=body, timeout=2).status_code == 503:
+            if httpx.post(f"{base_url}/v1/completions", json=body, timeout=5).status_code == 503:
                 return True
         except httpx.ConnectError:
             return True
@@ -46,7 +46,9 @@ def test_sigterm_during_stream_exits_zero_within_10s(tiny_llama_dir: Path, tmp_p
         assert first_chunk.wait(30), (tmp_path / "server.log").read_text()[-2000:]
         start = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        assert refuses_new_requests(base_url, timeout_s=5)
+        # a busy host answered the 503 after the 2 s client timeout once (the server logged it): slack here,
+        # the exit bound below is what the test holds to
+        assert refuses_new_requests(base_url, timeout_s=8)
         code = process.wait(timeout=10)
         elapsed = time.monotonic() - start
     finally:
