@@ -17,11 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="issue 36: peak RSS measured 13.09 GiB on 2026-12-04 (the bound is 12 GiB); start-up, completions "
-    "and streamed chat pass",
-    strict=True,
-)
 def test_deepseek_moe_16b_dummy_awq_int4_serves_within_12_gib(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
@@ -31,4 +26,5 @@ def test_deepseek_moe_16b_dummy_awq_int4_serves_within_12_gib(tmp_path: Path) ->
     assert result["completion_tokens"] == 8
     assert result["chat_stream_chunks"] > 2 and result["chat_finish_reason"] == "length"
     assert result["server_exit_code"] == 0
-    assert result["peak_rss_gib"] <= 12.0, result
+    if result["peak_rss_gib"] > 12.0:  # issue 36, open: 13.09 GiB measured on 2026-12-04
+        pytest.xfail(f"peak RSS {result['peak_rss_gib']} GiB is over the issue's 12 GiB bound")
