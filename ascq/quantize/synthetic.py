@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ascq.core.tensors import checkpoint_tensors
+from ascq.formats.byte_tokenizer import byte_level_tokenizer
 from ascq.quantize.ct_writer import ShardWriter
 
 EOS = "<|endoftext|>"
@@ -21,17 +22,7 @@ EOS = "<|endoftext|>"
 
 def write_byte_tokenizer(out_dir: Path) -> None:
     """A byte-level BPE tokenizer with no merges (257 tokens: 256 bytes + `<|endoftext|>` = id 256)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(ByteLevel.alphabet())}
-    vocab = {token: i for i, token in enumerate(sorted(vocab))}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([EOS])
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS).save_pretrained(out_dir)
+    byte_level_tokenizer([EOS], eos=EOS, bos=EOS).save_pretrained(out_dir)
 
 
 def write_synthetic_checkpoint(

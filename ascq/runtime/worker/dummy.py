@@ -21,6 +21,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from ascq.core.qmath import linear_group_size
 from ascq.core.tensors import checkpoint_tensors
+from ascq.formats.byte_tokenizer import byte_level_tokenizer
 
 WEIGHT_STD = 0.02
 POOL_SIZE = 1 << 24
@@ -117,20 +118,11 @@ def has_tokenizer(model_dir: Path) -> bool:
 def dummy_tokenizer(vocab_size: int) -> Any:
     """A byte-level tokenizer padded to `vocab_size` ids (every id the model can sample decodes), with
     ChatML chat markers and template: text in, noise out."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    alphabet = sorted(ByteLevel.alphabet())
-    filler = [f"<dummy_{i}>" for i in range(vocab_size - len(alphabet) - len(specials))]
-    vocab = {token: i for i, token in enumerate([*alphabet, *filler])}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|im_end|>", bos_token="<|endoftext|>"
+    tokenizer = byte_level_tokenizer(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        eos="<|im_end|>",
+        bos="<|endoftext|>",
+        vocab_size=vocab_size,
     )
-    fast.chat_template = CHATML_TEMPLATE
-    return fast
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
