@@ -22,11 +22,11 @@ DTYPES = {
     "fp16": torch.float16,
 }
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # checkpoints are safetensors only: auto is safetensors
 # The scheduler knobs' defaults, and the --performance-mode presets over them: a preset sets only the knobs
 # the user left unset (None); an explicit value always wins. Latency keeps batches small and prefill chunks
 # short so a long prompt never stalls the running decodes for long; throughput batches as much as the cache
 # allows.
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULER_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
 PERFORMANCE_MODES = {
     "latency": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
@@ -128,7 +128,7 @@ class EngineArgs:
 
     def model_config(self) -> dict[str, Any]:
         """config.json; with load_format dummy and a recipe named in `quantization`, plus the
-        quantization_config that recipe's conversion writes (`ct_writer.planned_quantization_config`)."""
+        quantization_config that recipe's conversion writes (`quantize.planned_config`)."""
         from ascq.runtime.worker.loader import read_config
 
         config = read_config(self.model)

@@ -31,6 +31,14 @@ def module_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def kv_cache_bytes(
+    args: Any, config: dict[str, Any], free_before_load: int, model: torch.nn.Module, block_bytes: int
+) -> int:
+    """The KV budget (`EngineArgs.resolve_kv_cache_memory`): by default at least one full sequence."""
+    sequence_bytes = -(-args.resolve_max_model_len(config) // args.block_size) * block_bytes
+    return args.resolve_kv_cache_memory(free_before_load, module_bytes(model), sequence_bytes)
+
+
 def start_model(
     args: Any, config: dict[str, Any], dtype: torch.dtype, kv_cache_dtype: torch.dtype
 ) -> StartedModel:
@@ -41,8 +49,7 @@ def start_model(
         args.model, args.device, dtype, config, load_format=args.load_format, seed=args.seed
     )
     block_bytes = bytes_per_block(model, args.block_size, kv_cache_dtype)
-    sequence_bytes = -(-args.resolve_max_model_len(config) // args.block_size) * block_bytes
-    memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model), sequence_bytes)
+    memory = kv_cache_bytes(args, config, free_before_load, model, block_bytes)
     num_blocks = num_blocks_for(memory, block_bytes, args.num_gpu_blocks_override)
     allocate_kv_cache(model, num_blocks, args.block_size, kv_cache_dtype, args.torch_device)
     runner = ModelRunner(
@@ -63,8 +70,7 @@ def _start_ranks(args: Any, config: dict[str, Any], dtype: torch.dtype) -> Start
 
     def num_blocks(block_bytes: int, model: torch.nn.Module) -> int | str:
         try:
-            sequence_bytes = -(-args.resolve_max_model_len(config) // args.block_size) * block_bytes
-            memory = args.resolve_kv_cache_memory(free_before_load, module_bytes(model), sequence_bytes)
+            memory = kv_cache_bytes(args, config, free_before_load, model, block_bytes)
             return num_blocks_for(memory, block_bytes, args.num_gpu_blocks_override)
         except AscqError as exc:
             return str(exc)

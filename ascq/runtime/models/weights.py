@@ -40,15 +40,17 @@ def load_named_weights(
     weights in (finalize it there: a quantized checkpoint's unpacked tensors are then never all held at
     once); modules still incomplete then are left to `finalize_model`."""
     modules = dict(model.named_modules())
-    current: list[nn.Module] = []  # the linear / expert block the last tensor went to
+    current: nn.Module | None = None  # the linear / expert block the last tensor went to
 
     def moved_to(module: nn.Module) -> None:
-        if current and current[0] is not module:
-            if on_loaded is not None and current[0].is_loaded():
-                on_loaded(current[0])
-            current.clear()
-        if not current:
-            current.append(module)
+        nonlocal current
+        if current is not module:
+            done_with(current)
+            current = module
+
+    def done_with(module: nn.Module | None) -> None:
+        if module is not None and on_loaded is not None and module.is_loaded():
+            on_loaded(module)
 
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES):
@@ -84,8 +86,7 @@ def load_named_weights(
             raise AscqError(
                 f"checkpoint tensor {name!r} does not belong to any layer of {type(model).__name__}"
             )
-    if current and on_loaded is not None and current[0].is_loaded():
-        on_loaded(current[0])
+    done_with(current)
 
 
 def _module(modules: dict[str, nn.Module], name: str, tensor_name: str, kind: type) -> nn.Module:
