@@ -100,15 +100,7 @@ def prepare_work(work: Path, model: Path) -> Path:
 
 
 def ascq_row(source: Path, recipe: str, out: Path, args: argparse.Namespace, ids: torch.Tensor) -> Row:
-    cmd = [sys.executable, "-m", "ascq.cli", "convert", str(source), "--recipe", recipe, "--out", str(out)]
-    cmd += [
-        "--num-samples",
-        str(args.num_samples),
-        "--seq-len",
-        str(args.seq_len),
-        "--no-eval",
-        "--overwrite",
-    ]
+    cmd = llmc.ascq_convert_command(source, recipe, out, args.num_samples, args.seq_len)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
