@@ -366,7 +366,7 @@ def test_tool_calls_named_required_auto_and_history(client) -> None:
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and named.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    required = client.chat.completions.create(
+    required_request = dict(
         model="tiny-llama",
         messages=messages,
         tools=[WEATHER],
@@ -375,6 +375,7 @@ def test_tool_calls_named_required_auto_and_history(client) -> None:
         temperature=0,
         parallel_tool_calls=False,
     )
+    required = client.chat.completions.create(**required_request)
     calls = required.choices[0].message.tool_calls
     assert calls and all(c.function.name == "get_weather" for c in calls)
     auto = client.chat.completions.create(
@@ -406,18 +407,7 @@ def test_tool_calls_named_required_auto_and_history(client) -> None:
     assert len(deltas) > 1 and deltas[0].id and deltas[0].function.name == "get_weather"
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     json.loads(call.function.arguments)
-    streamed = list(
-        client.chat.completions.create(
-            model="tiny-llama",
-            messages=messages,
-            tools=[WEATHER],
-            tool_choice="required",
-            max_tokens=80,
-            temperature=0,
-            parallel_tool_calls=False,
-            stream=True,
-        )
-    )
+    streamed = list(client.chat.completions.create(**required_request, stream=True))
     deltas = [tc for c in streamed if c.choices for tc in c.choices[0].delta.tool_calls or []]
     # "required" streams too: the forced array's calls as they are decoded, not in one chunk at the end
     assert len([c for c in streamed if c.choices and c.choices[0].delta.tool_calls]) > 1
