@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ascq.atomic_file import atomic_write
 from ascq.core.errors import AscqError
 from ascq.runtime.bench.serve import RequestResult, percentile, random_prompts, summarize
 
@@ -174,8 +175,10 @@ def bench_latency(options: OfflineBenchOptions, goodput: dict[str, float] | None
 
 
 def save_result(path: Path, kind: str, options: dict[str, Any], metrics: dict[str, float]) -> None:
+    """--save-result PATH (vLLM's: the file named is replaced), written atomically: an interrupted run leaves
+    the previous result whole, never half a file; an unwritable path is a one-line error."""
     payload = {"bench": kind, "machine": machine_description(), "options": options, "metrics": metrics}
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    atomic_write(path, (json.dumps(payload, indent=2, default=str) + "\n").encode())
 
 
 def load_result(path: Path) -> dict[str, Any]:
