@@ -174,6 +174,13 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any], entry_dir: Path) 
             f"produced "
             f"yet; `{manifest['planned']['commands']['convert']}` produces them.\n"
         )
+    elif manifest.get("synthetic"):
+        intro = (
+            f"**SYNTHETIC**: {manifest['synthetic']['kind']}. The shape of "
+            f"{_base_link(manifest.get('base_model'))}"
+            + (f", quantized by ascq (`{scheme}`)" if manifest.get("recipe") else ", bf16")
+            + ".\n"
+        )
     elif not manifest.get("recipe"):
         intro = (
             "A fixture model trained by ascq for its tests and examples. No quantization recipe was applied: "
