@@ -124,3 +124,28 @@ def test_the_default_kv_cache_holds_one_max_model_len_sequence(tiny_llama_dir: P
     # an explicit budget is the user's: the start-up check names what one sequence needs
     explicit = EngineArgs(tiny_llama_dir, kv_cache_memory=1 << 20)
     assert explicit.resolve_kv_cache_memory(sequence_bytes=1 << 30) == 1 << 20
+
+
+def test_bf16_weight_copies_only_for_a_model_whose_linears_all_fit(
+    tiny_deepseek_moe_dir: Path, monkeypatch
+) -> None:
+    """The CPU backend's bf16 weight copies (ASCQ_BF16_WEIGHT_CACHE_MB) go to a model whose projection
+    linears all fit the budget, or to none of its linears (not to its first layers only)."""
+    from ascq.kernels import cpu
+    from ascq.runtime.layers.linear import LinearBase
+    from ascq.runtime.worker.loader import linear_bf16_bytes
+
+    monkeypatch.setattr(cpu, "BF16_GEMM_FAST", True)  # where the copies are made; torch runs it anywhere
+    config = EngineArgs(tiny_deepseek_moe_dir, load_format="dummy", quantization="w4a16-rtn").model_config()
+    model_mib = linear_bf16_bytes(config) / 2**20
+    held_mib = cpu._bf16_cache_bytes / 2**20  # copies other models in this process still hold
+    for budget_mib, copies in ((int(held_mib + model_mib) + 2, True), (int(model_mib) - 1, False)):
+        monkeypatch.setenv("ASCQ_BF16_WEIGHT_CACHE_MB", str(budget_mib))
+        model, _ = load_model(tiny_deepseek_moe_dir, "cpu", torch.bfloat16, config, load_format="dummy")
+        kept = [
+            m.prepared.bf16_weight is not None
+            for m in model.modules()
+            if isinstance(m, LinearBase) and m.prepared.kernel == "native"
+        ]
+        assert kept and all(k == copies for k in kept), (budget_mib, kept)
+        del model

@@ -36,10 +36,12 @@ kernel).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +74,7 @@ BF16_GEMM_LM_HEAD_MIN_M = 8  # LM head: native bf16 kernel below, torch's bf16 G
 # identical results, faster than packing per call).
 ONEDNN_PACK_ROWS = 64
 _bf16_cache_bytes = 0
+_bf16_copies_off = False  # while loading a model whose linears the budget cannot all hold (`bf16_copies_for`)
 FBGEMM_SPLIT_MAX_M = 256
 INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
 ACTIVATION_SPLIT = 4  # v = 4*h + l keeps fbgemm's u8 activations within 7 bits
@@ -354,7 +357,21 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _bf16_copy_fits(size: int) -> bool:
-    return _bf16_cache_bytes + size <= envs.ASCQ_BF16_WEIGHT_CACHE_MB << 20
+    return not _bf16_copies_off and _bf16_cache_bytes + size <= envs.ASCQ_BF16_WEIGHT_CACHE_MB << 20
+
+
+@contextlib.contextmanager
+def bf16_copies_for(model_bytes: int) -> Iterator[None]:
+    """While loading a model whose linears take `model_bytes` in bf16: bf16 weight copies only if all of them
+    fit the budget. Copies of the first layers of a larger model would spend the whole budget on a few percent
+    of its dequantization work (deepseek-moe-16b: 1 GiB for about 3 % of its linears)."""
+    global _bf16_copies_off
+    before = _bf16_copies_off
+    _bf16_copies_off = _bf16_cache_bytes + model_bytes > envs.ASCQ_BF16_WEIGHT_CACHE_MB << 20
+    try:
+        yield
+    finally:
+        _bf16_copies_off = before
 
 
 def _bf16_values(p: CpuLinear) -> torch.Tensor:

@@ -272,6 +272,18 @@ def _plan_section(planned: dict[str, Any]) -> str:
         + "\n"
         + "\n".join(rows)
         + f"\n\nServe it with `{planned['commands']['serve']}`.\n"
+        + _measured_text(planned.get("measured"))
+    )
+
+
+def _measured_text(measured: dict[str, Any] | None) -> str:
+    if not measured:
+        return ""
+    rows = "".join(f"| {r['what']} | {r['value']} | `{r['command']}` |\n" for r in measured["rows"])
+    return (
+        f"\n### Measured at this shape\n\nOn {measured['machine']}, {measured['date']}, with dummy or "
+        "synthetic weights of the real shape (the real weights were not available there):\n\n"
+        f"| what | measured | command |\n|---|---|---|\n{rows}"
     )
 
 

@@ -1,13 +1,17 @@
 """The planned `zoo/deepseek-moe-16b` entry: config.json of deepseek-ai/deepseek-moe-16b-base, the recipes to
 apply, expected checkpoint sizes and serving memory per recipe (and per rank for TP 2/4/8 and EP 8), and the
-commands that produce and serve it. No weights.
+commands that produce and serve it. No weights. What was measured at this shape on a real machine (dummy and
+synthetic full-size weights; docs/benchmarks.md has each command) is in
+`ascq/data/deepseek-moe-16b-measured.json` and lands in the plan and card.
 
 Regenerate with `python -m ascq.zoo.deepseek_moe_16b [TARGET]`.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -108,13 +112,19 @@ def per_rank_plan(config: dict[str, Any], recipes: list[str]) -> dict[str, Any]:
     return layouts
 
 
+def measured() -> dict[str, Any] | None:
+    """{"machine", "date", "rows": [{"what", "value", "command"}]}: the numbers measured at full shape."""
+    path = files("ascq") / "data" / f"{NAME}-measured.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def write_entry(target: Path | None = None) -> dict[str, Any]:
     return write_planned_entry(
         Path(target) if target else zoo_root() / NAME,
         CONFIG,
         COMMANDS,
         RECIPES,
-        extra_plan={"per_rank": per_rank_plan(CONFIG, RECIPES)},
+        extra_plan={"per_rank": per_rank_plan(CONFIG, RECIPES), "measured": measured()},
         source={"model": SOURCE, "revision": "main"},
         base_model=SOURCE,
         format="compressed-tensors",

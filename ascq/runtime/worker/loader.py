@@ -9,7 +9,9 @@ the layers' weight loaders.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,12 @@ import torch
 
 from ascq.core.errors import AscqError, UnsupportedError
 from ascq.core.heap import trim_heap
+from ascq.core.tensors import checkpoint_tensors
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import get_backend
 from ascq.kernels import torch_device as backend_torch_device
+from ascq.runtime.distributed.parallel import tp_world_size
 from ascq.runtime.layers.moe import FusedMoE
 from ascq.runtime.models import model_class_for
 from ascq.runtime.models.weights import finalize_model, finalize_module
@@ -158,9 +162,19 @@ def load_model(
         if isinstance(module, FusedMoE):  # a MoE layer's unpacked experts were just freed
             trim_heap()
 
-    model.load_weights(weights, scheme_for, loaded)
-    finalize_model(model, backend, dtype, torch_device)
+    copies_for = getattr(backend, "bf16_copies_for", None)  # the CPU backend's bf16 weight copies
+    with copies_for(linear_bf16_bytes(config)) if copies_for else contextlib.nullcontext():
+        model.load_weights(weights, scheme_for, loaded)
+        finalize_model(model, backend, dtype, torch_device)
     return model.eval(), quant
+
+
+def linear_bf16_bytes(config: dict[str, Any]) -> int:
+    """The bytes this rank's projection linears (attention, MLP, experts) would take in bf16 (an even split
+    across the tensor-parallel group)."""
+    tensors = checkpoint_tensors(config)
+    numel = sum(math.prod(shape) for name, shape in tensors if name.endswith("_proj.weight"))
+    return 2 * numel // tp_world_size()
 
 
 def load_tokenizer(path: Any) -> Any:
