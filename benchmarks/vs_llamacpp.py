@@ -9,10 +9,10 @@ prompts, greedy, `ignore_eos`, prompt cache off. ascq runs the imported checkpoi
 - batch 1: one request at a time, `--decode-tokens` new tokens after a 32-token prompt; decode tok/s = tokens
   after the first / time after the first (llama.cpp: its own `timings.predicted_per_second`, which excludes
   the prompt).
-- batched: `--num-requests` requests (prompts 64-512 tokens, 64-256 new tokens, seeded, new ones each round so
-  no side reuses a cached prompt: llama.cpp runs with `cache_prompt` off, ascq's prefix cache is per engine),
-  llama-server with `--parallel 16` driven at concurrency 16, vs ascq `LLM.generate` on all of them; output
-  tok/s = output tokens / wall time.
+- batched: `--num-requests` requests (prompts 64-512 tokens, 64-256 new tokens: `--max-prompt-tokens`,
+  `--max-new-tokens`; seeded, new ones each round so no side reuses a cached prompt: llama.cpp runs with
+  `cache_prompt` off, ascq's prefix cache is per engine), llama-server with `--parallel 16` driven at
+  concurrency 16, vs ascq `LLM.generate` on all of them; output tok/s = output tokens / wall time.
 - `--llama-bench PATH`: llama-bench's pp`--prompt-tokens` and tg`--decode-tokens` (its own tok/s, one
   repetition a round) against ascq's prefill (prompt tokens / time to the first token of one new prompt) and
   the batch-1 decode above.
@@ -187,7 +187,13 @@ def ascq_prefill_tps(llm, prompt: list[int]) -> float:
     return len(prompt) / result.ttft
 
 
-def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True, lm_head_int8: bool = False):
+def ascq_llm(
+    spec: str,
+    max_num_seqs: int,
+    fused: bool = True,
+    lm_head_int8: bool = False,
+    kv_cache_memory: int = 1 << 30,
+):
     """`fused` False: the eager per-layer decode path (runtime/fused_decode.py off), for before/after in one
     run; `lm_head_int8`: the opt-in int8 LM head (ASCQ_LM_HEAD_QUANT=int8; other logits than the
     checkpoint's)."""
@@ -195,7 +201,7 @@ def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True, lm_head_int8: boo
     from ascq.runtime.worker import fused_decode
 
     path, _, dtype = spec.partition(":")
-    llm = LLM(path, dtype=dtype or "auto", max_num_seqs=max_num_seqs, kv_cache_memory=1 << 30)
+    llm = LLM(path, dtype=dtype or "auto", max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory)
     if not fused:
         fused_decode.detach(llm.engine.model)
     if lm_head_int8:
@@ -227,10 +233,12 @@ def make_prompt(num_tokens: int, seed: int) -> list[int]:
     return [rng.randrange(100, 4000) for _ in range(num_tokens)]
 
 
-def make_requests(num: int, seed: int) -> list[tuple[list[int], int]]:
+def make_requests(
+    num: int, seed: int, max_prompt: int = 512, max_new: int = 256
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(100, 4000) for _ in range(rng.randint(64, 512))], rng.randint(64, 256))
+        ([rng.randrange(100, 4000) for _ in range(rng.randint(64, max_prompt))], rng.randint(64, max_new))
         for _ in range(num)
     ]
 
@@ -282,6 +290,9 @@ def main() -> None:
     )
     parser.add_argument("--prompt-tokens", type=int, default=512, help="llama-bench -p and ascq's prefill")
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="ascq's KV cache bytes")
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="batched prompts: 64 to this")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="batched outputs: 64 to this")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -292,11 +303,18 @@ def main() -> None:
     if unknown:
         parser.error(f"--no-fused / --lm-head-int8 name no --ascq candidate: {', '.join(unknown)}")
     batched_name = args.batched or next(iter(specs))
-    server = LlamaServer(args.llama_server, args.gguf, args.threads, args.concurrency, args.concurrency * 768)
+    slot_tokens = args.max_prompt_tokens + args.max_new_tokens
+    server = LlamaServer(
+        args.llama_server, args.gguf, args.threads, args.concurrency, args.concurrency * slot_tokens
+    )
     try:
         llms = {
             name: ascq_llm(
-                spec, max(64, args.num_requests), name not in args.no_fused, name in args.lm_head_int8
+                spec,
+                max(64, args.num_requests),
+                name not in args.no_fused,
+                name in args.lm_head_int8,
+                args.kv_cache_memory,
             )
             for name, spec in specs.items()
         }
@@ -326,7 +344,9 @@ def main() -> None:
                 print(f"round {r + 1} llama-bench / ascq prefill tok/s: {line}", flush=True)
             # new requests each round: ascq's prefix cache would serve a repeated prompt
             if args.num_requests:
-                requests = make_requests(args.num_requests, args.seed + r)
+                requests = make_requests(
+                    args.num_requests, args.seed + r, args.max_prompt_tokens, args.max_new_tokens
+                )
                 batched["llama.cpp"].append(llama_batched_tps(server, requests, args.concurrency))
                 batched[batched_name].append(ascq_batched_tps(llms[batched_name], requests))
                 line = ", ".join(f"{n} {v[-1]:.1f}" for n, v in batched.items())
@@ -357,7 +377,8 @@ def main() -> None:
             print(summarize(f"ascq {name} batch-1 decode {args.decode_tokens}", decode[name], bench["tg"]))
     if args.num_requests:
         print(
-            f"\n| {args.num_requests} requests, prompts 64-512, 64-256 new | output tok/s | vs llama-server "
+            f"\n| {args.num_requests} requests, prompts 64-{args.max_prompt_tokens}, "
+            f"64-{args.max_new_tokens} new | output tok/s | vs llama-server "
             f"--parallel {args.concurrency} |\n|---|---:|---:|"
         )
         for name, values in batched.items():
