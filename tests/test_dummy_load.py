@@ -14,11 +14,12 @@ import torch
 from ascq import LLM, SamplingParams
 from ascq.cli import main
 from ascq.core.errors import AscqError
+from ascq.formats.byte_tokenizer import dummy_tokenizer
 from ascq.platforms.cpu import MAX_DEFAULT_KV_CACHE_BYTES
 from ascq.quantize.planned_config import planned_quantization_config
 from ascq.runtime.engine.engine_args import EngineArgs
 from ascq.runtime.models import weights as model_weights
-from ascq.runtime.worker.dummy import dummy_tokenizer, dummy_weights
+from ascq.runtime.worker.dummy import dummy_weights
 from ascq.runtime.worker.loader import QuantConfig, iter_checkpoint, load_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 def byte_level_tokenizer(specials: list[str], eos: str, bos: str, vocab_size: int | None = None) -> Any:
     """A `PreTrainedTokenizerFast`; `vocab_size`: pad with `<dummy_i>` tokens so that every id of a model's
@@ -22,3 +27,16 @@ def byte_level_tokenizer(specials: list[str], eos: str, bos: str, vocab_size: in
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=bos)
+
+
+def dummy_tokenizer(vocab_size: int) -> Any:
+    """A byte-level tokenizer padded to `vocab_size` ids (every id the model can sample decodes), with
+    ChatML chat markers and template: text in, noise out."""
+    tokenizer = byte_level_tokenizer(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        eos="<|im_end|>",
+        bos="<|endoftext|>",
+        vocab_size=vocab_size,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from ascq.core.tensors import checkpoint_tensors
-from ascq.formats.byte_tokenizer import byte_level_tokenizer
+from ascq.formats.byte_tokenizer import byte_level_tokenizer, dummy_tokenizer
 from ascq.quantize.ct_writer import ShardWriter
 from ascq.quantize.outlier_stress import DEFAULT_K as OUTLIER_K
 from ascq.quantize.outlier_stress import choose_channels, with_outlier_channels
-from ascq.runtime.worker.dummy import WEIGHT_STD, dummy_tokenizer
+from ascq.runtime.worker.dummy import WEIGHT_STD
 
 EOS = "<|endoftext|>"
 LAYER_STD_SPREAD = 0.3

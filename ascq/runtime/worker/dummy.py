@@ -21,16 +21,11 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from ascq.core.qmath import linear_group_size
 from ascq.core.tensors import checkpoint_tensors
-from ascq.formats.byte_tokenizer import byte_level_tokenizer
 
 WEIGHT_STD = 0.02
 POOL_SIZE = 1 << 24
 INPUT_SCALE = 4.0 / 127  # a static int8 input scale for activations of magnitude up to about 4
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def dummy_weights(config: dict[str, Any], quant: Any, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,16 +108,3 @@ def random_quantized_linear(
 
 def has_tokenizer(model_dir: Path) -> bool:
     return any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES)
-
-
-def dummy_tokenizer(vocab_size: int) -> Any:
-    """A byte-level tokenizer padded to `vocab_size` ids (every id the model can sample decodes), with
-    ChatML chat markers and template: text in, noise out."""
-    tokenizer = byte_level_tokenizer(
-        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        eos="<|im_end|>",
-        bos="<|endoftext|>",
-        vocab_size=vocab_size,
-    )
-    tokenizer.chat_template = CHATML_TEMPLATE
-    return tokenizer

@@ -22,6 +22,7 @@ from ascq.core.errors import AscqError, UnsupportedError
 from ascq.core.heap import trim_heap
 from ascq.core.tensors import checkpoint_tensors
 from ascq.formats import compressed_tensors as ct
+from ascq.formats.byte_tokenizer import dummy_tokenizer
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import get_backend
 from ascq.kernels import torch_device as backend_torch_device
@@ -29,7 +30,7 @@ from ascq.runtime.distributed.parallel import tp_world_size
 from ascq.runtime.layers.moe import FusedMoE
 from ascq.runtime.models import model_class_for
 from ascq.runtime.models.weights import finalize_model, finalize_module
-from ascq.runtime.worker.dummy import dummy_tokenizer, dummy_weights, has_tokenizer
+from ascq.runtime.worker.dummy import dummy_weights, has_tokenizer
 
 SUPPORTED_SCHEMES = (
     "W8A8 (int8 static or dynamic per-token), W4A16, W8A16 (per-channel or group), W4A8 (dynamic)"
@@ -188,7 +189,7 @@ def load_tokenizer(path: Any) -> Any:
 
 def engine_tokenizer(args: Any) -> Any:
     """The tokenizer an engine serves with: `args.tokenizer`, else the model folder's; with load_format dummy
-    and a folder that has none, `dummy.dummy_tokenizer` over the config's vocabulary."""
+    and a folder that has none, `byte_tokenizer.dummy_tokenizer` over the config's vocabulary."""
     if args.tokenizer is None and args.load_format == "dummy" and not has_tokenizer(args.model):
         return dummy_tokenizer(int(read_config(args.model)["vocab_size"]))
     return load_tokenizer(args.tokenizer or args.model)
