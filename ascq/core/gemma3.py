@@ -21,7 +21,9 @@ def check_config(config: dict[str, Any]) -> None:
     """Refuse what ascq does not implement for Gemma 3, in one line each."""
     activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
-        raise UnsupportedError(f"Gemma 3 hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
+        raise UnsupportedError(
+            f"Gemma 3 hidden_activation {activation!r} is not supported (only gelu_pytorch_tanh)"
+        )
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if config.get(key) is not None:
             raise UnsupportedError(f"Gemma 3 {key}={config[key]} is not supported (only None)")

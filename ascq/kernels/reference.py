@@ -136,9 +136,7 @@ def paged_attention(
         seq_len = int(seq_lens[s])
         keys = gather_sequence_kv(k_cache, block_tables[s], seq_len, k_scale)
         values = gather_sequence_kv(v_cache, block_tables[s], seq_len, v_scale)
-        out[start:end] = causal_attention(
-            query[start:end].float(), keys, values, scale, sliding_window
-        ).to(query.dtype)
+        out[start:end] = causal_attention(query[start:end].float(), keys, values, scale, sliding_window)
     return out
 
 

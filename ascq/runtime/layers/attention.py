@@ -25,10 +25,10 @@ class AttentionMetadata:
     )
 
     def windowed(self, sliding_window: int, block_size: int) -> AttentionMetadata:
-        """This step's layout for a sliding-window layer: each sequence's block table starts at the first block
-        that one of its query rows can see, and its length drops by the blocks left out, so blocks wholly
-        past the window are never read. Positions move by whole blocks: the kernels' causal and window masks,
-        which compare positions, are unchanged."""
+        """This step's layout for a sliding-window layer: each sequence's block table starts at the first
+        block that one of its query rows can see, and its length drops by the blocks left out, so blocks
+        wholly past the window are never read. Positions move by whole blocks: the kernels' causal and window
+        masks, which compare positions, are unchanged."""
         query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
         first_visible = (self.seq_lens - query_lens - (sliding_window - 1)).clamp(min=0)
         skipped = (first_visible // block_size).to(self.block_tables.device)

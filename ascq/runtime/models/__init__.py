@@ -9,7 +9,7 @@ from torch import nn
 from ascq.core.architecture import GEMMA3, LLAMA_FAMILY, MODEL_TYPES
 from ascq.core.errors import UnsupportedError
 
-# `architectures` class name -> runtime model family (llama, deepseek or gemma3_text), from the one model-type table
+# `architectures` class name -> runtime model family (llama, deepseek, gemma3_text), from the model-type table
 ARCHITECTURES = {
     f"{prefix}ForCausalLM": "llama" if model_type in LLAMA_FAMILY else model_type
     for model_type, prefix in MODEL_TYPES.items()

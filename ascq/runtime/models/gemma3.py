@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ascq.core import gemma3
+from ascq.core.tensors import tie_word_embeddings
 from ascq.runtime.layers.attention import Attention, AttentionMetadata
 from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ascq.runtime.layers.rmsnorm import GemmaRMSNorm
@@ -139,6 +140,6 @@ class Gemma3ForCausalLM(CausalLM):
         gemma3.check_config(config)
         nn.Module.__init__(self)
         self.config = config
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", True))
+        self.tie_word_embeddings = tie_word_embeddings(config)
         self.model = Gemma3Model(config)
         self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"])
