@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from engine_helpers import make_engine, run_batch
+from test_hub_publish import hub  # noqa: F401 (the Hub test double fixture)
 from test_runtime_models import random_prompts
 from zoo_builder import write_tokenizer
 
@@ -263,3 +264,27 @@ def test_converter_fake_quant_logits_equal_served_reference_logits(
     engine = LLMEngine(args)
     for window, expected in zip(windows, converter, strict=True):
         assert torch.equal(prefill_logits(engine, window.tolist()), expected)
+
+
+def test_card_describes_gemma3_and_publish_pull_round_trips(
+    tiny_gemma3_dir: Path,
+    converted_entry,
+    hub,  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    import shutil
+
+    from huggingface_hub import ModelCard
+    from zoo_builder import run
+
+    source = converted_entry(tiny_gemma3_dir, ("awq-int4",), num_samples=4, seq_len=48)
+    entry = Path(shutil.copytree(source, tmp_path / "zoo" / "tiny-gemma3-awq"))
+    assert run("publish", str(entry), "--repo", "test/gemma") == 0
+    card = ModelCard(hub.files("test/gemma")["README.md"].decode())
+    assert "gemma3_text" in card.data.tags
+    assert "`gemma3_text` (Gemma3ForCausalLM): 4 layers, hidden 64, 4 query / 2 KV heads of 16" in card.text
+    assert "sliding-window attention (8 tokens) on 3 of 4 layers, rope base 10,000" in card.text
+    monkeypatch.setenv("ASCQ_ZOO", str(tmp_path / "fresh"))
+    assert run("zoo", "pull", "test/gemma") == 0
+    assert run("zoo", "verify", "gemma") == 0
