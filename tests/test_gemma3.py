@@ -288,3 +288,26 @@ def test_card_describes_gemma3_and_publish_pull_round_trips(
     monkeypatch.setenv("ASCQ_ZOO", str(tmp_path / "fresh"))
     assert run("zoo", "pull", "test/gemma") == 0
     assert run("zoo", "verify", "gemma") == 0
+
+
+def test_core_tensors_are_the_checkpoint_transformers_writes(tiny_gemma3_dir: Path):
+    from safetensors import safe_open
+
+    from ascq.core.tensors import checkpoint_tensors
+
+    config = json.loads((tiny_gemma3_dir / "config.json").read_text())
+    with safe_open(tiny_gemma3_dir / "model.safetensors", "pt") as f:
+        written = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert dict(checkpoint_tensors(config)) == written
+
+
+def test_dummy_load_serves_gemma3(tiny_gemma3_dir: Path, tmp_path: Path):
+    """--load-format dummy makes Gemma 3's tensors (q/k norms, four norms) from the config alone."""
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny_gemma3_dir / "config.json").read_text())
+    engine = make_engine(folder, load_format="dummy", dtype="float32", block_size=4)
+    out = run_batch(
+        engine, [list(range(1, 20))], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    )
+    assert len(out["0"].outputs[0].token_ids) == 3
