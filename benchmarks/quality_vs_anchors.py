@@ -185,8 +185,11 @@ def gguf_rows(source: Path, work: Path, args: argparse.Namespace, ids: torch.Ten
             "GGUF F32 (read-back check)", hf_perplexity(f32.parent, ids, args.window, f32.name), bits, seconds
         )
     ]
+    variants = [("", []), (", embedding F32", ["--token-embedding-type", "f32"])]
+    if args.gguf_embedding != "both":
+        variants = [variants[args.gguf_embedding == "f32"]]
     for quant_type in GGUF_TYPES:
-        for label, flags in (("", []), (", embedding F32", ["--token-embedding-type", "f32"])):
+        for label, flags in variants:
             out = f32.parent / f"model-{quant_type}{'-embf32' if flags else ''}.gguf"
             start = time.perf_counter()
             cmd = [str(quantize), *flags, str(f32), str(out), quant_type, str(args.threads)]
@@ -275,6 +278,12 @@ def main() -> None:
         "each with its own --work and --json; --merge prints them together",
     )
     parser.add_argument("--group-size", type=int, default=128, help="llm-compressor's, without ascq rows")
+    parser.add_argument(
+        "--gguf-embedding",
+        choices=("both", "f32", "default"),
+        default="both",
+        help="llama.cpp rows with the token embedding in F32, as llama-quantize makes it by default, or both",
+    )
     parser.add_argument(
         "--score-batch", type=int, default=8, help="windows per scoring forward (1 for a large vocabulary)"
     )
