@@ -152,6 +152,20 @@ def zoo_gc(
     typer.echo(f"{len(found)} stale staging folder(s) removed")
 
 
+@zoo_app.command("dummy")
+def zoo_dummy(
+    entry: Annotated[str, typer.Argument(help="Entry name or path whose config.json gives the shape.")],
+    out: Annotated[Path, typer.Option(help="Folder for the synthetic bf16 checkpoint.")],
+    seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing folder (atomically).")] = False,
+) -> None:
+    """Write a SYNTHETIC bf16 Hugging Face checkpoint at the entry's real shape (random weights drawn like a
+    trained model's: per-layer scale, outlier channels), for conversion and serving benchmarks."""
+    from ascq.zoo.synthetic_source import write_synthetic_source
+
+    typer.echo(f"wrote {write_synthetic_source(entry, out, seed=seed, overwrite=overwrite)} (synthetic)")
+
+
 @zoo_app.command("import-gguf")
 def zoo_import_gguf(
     file: Annotated[Path | None, typer.Argument(help="GGUF file (llama.cpp).")] = None,

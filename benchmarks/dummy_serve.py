@@ -1,8 +1,9 @@
 """The design card's command at real shape with dummy weights (issue 36): `ascq serve zoo/deepseek-moe-16b
 --load-format dummy --quantization awq-int4` on this host. Measures the time from launch to a 200 on /health,
-the peak RSS of the server's whole process tree (server + engine core, sampled every 0.2 s from launch to
-stop), then answers one /v1/completions and one streamed chat request with the real `openai` client and times
-batch-1 decode (a 64-token streamed completion, ignore_eos: tokens after the first / time after the first).
+the peak memory of the server's whole process tree (server + engine core, sampled every 0.2 s from launch to
+stop: PSS summed, the bound's measure; RSS summed; the engine core's RSS), then answers one /v1/completions
+and one streamed chat request with the real `openai` client and times batch-1 decode (a 64-token streamed
+completion, ignore_eos: tokens after the first / time after the first).
 
     OMP_NUM_THREADS=2 python benchmarks/dummy_serve.py [--model zoo/deepseek-moe-16b] [--recipe awq-int4] \
         [--json out.json]
@@ -27,28 +28,33 @@ import psutil
 from ascq.runtime.server.launcher import launch_server, stop_server
 
 
-class PeakRss:
-    """Polls the RSS summed over this process's children (the server and the processes it starts) until
-    stopped; `peak` in bytes."""
+class PeakMemory:
+    """Polls this process's children (the server and the processes it starts) until stopped. Peaks in bytes:
+    `pss` the proportional set size summed over them (the memory the tree really holds: a page two processes
+    share counts half in each), `rss` the resident sets summed (counts the shared torch libraries in every
+    process), `largest_rss` the largest single process's RSS (the engine core's)."""
 
     def __init__(self, interval_s: float = 0.2) -> None:
-        self.interval_s, self.peak = interval_s, 0
+        self.interval_s = interval_s
+        self.peak = {"pss": 0, "rss": 0, "largest_rss": 0}
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
         self.thread.start()
 
     def _poll(self) -> None:
         while not self.done.is_set():
-            total = 0
+            pss = rss = largest = 0
             for process in psutil.Process().children(recursive=True):
                 try:
-                    total += process.memory_info().rss
-                except psutil.NoSuchProcess:
-                    pass
-            self.peak = max(self.peak, total)
+                    info = process.memory_full_info()
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                pss, rss, largest = pss + info.pss, rss + info.rss, max(largest, info.rss)
+            for key, value in (("pss", pss), ("rss", rss), ("largest_rss", largest)):
+                self.peak[key] = max(self.peak[key], value)
             self.done.wait(self.interval_s)
 
-    def stop(self) -> int:
+    def stop(self) -> dict[str, int]:
         self.done.set()
         self.thread.join()
         return self.peak
@@ -77,12 +83,12 @@ def measure(
         extra += ["--max-model-len", str(max_model_len)]
     if kv_cache_memory is not None:
         extra += ["--kv-cache-memory", str(kv_cache_memory)]
-    rss = PeakRss()
+    memory = PeakMemory()
     started = time.monotonic()
     try:
         process, base_url = launch_server(model, log_path, *extra, startup_timeout_s=900)
     except BaseException:
-        rss.stop()
+        memory.stop()
         raise
     ready_s = time.monotonic() - started
     result = {"model": model, "recipe": recipe, "ready_s": round(ready_s, 1), "log": str(log_path)}
@@ -104,7 +110,10 @@ def measure(
         result["decode_tok_s"] = round(decode_tokens_per_s(client, model, decode_tokens), 2)
     finally:
         result["server_exit_code"] = stop_server(process)
-        result["peak_rss_gib"] = round(rss.stop() / 2**30, 2)
+        peak = memory.stop()
+        result["peak_pss_gib"] = round(peak["pss"] / 2**30, 2)
+        result["peak_rss_sum_gib"] = round(peak["rss"] / 2**30, 2)
+        result["peak_engine_rss_gib"] = round(peak["largest_rss"] / 2**30, 2)
     return result
 
 

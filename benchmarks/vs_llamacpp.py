@@ -1,8 +1,10 @@
-"""ascq vs llama.cpp on the same real model (SmolLM2-135M-Instruct), alternating in one run, ratios printed.
+"""ascq vs llama.cpp on the same weights, alternating in one run, ratios printed: SmolLM2-135M-Instruct, and
+deepseek-moe-16b's synthetic source (`ascq zoo dummy`; its GGUF made by benchmarks/llamacpp_gguf.py).
 
-llama.cpp runs the GGUF (Q4_1) in `llama-server` (the engine llama-cpp-python wraps), bound to 127.0.0.1,
-driven through its native `/completion` endpoint with token-id prompts, greedy, `ignore_eos`, prompt cache
-off. ascq runs the imported checkpoint(s) in-process (`LLMEngine`). Both use `--threads` threads.
+llama.cpp runs the GGUF (SmolLM2's Q4_1, deepseek-moe-16b's Q4_0) in `llama-server` (the engine
+llama-cpp-python wraps), bound to 127.0.0.1, driven through its native `/completion` endpoint with token-id
+prompts, greedy, `ignore_eos`, prompt cache off. ascq runs the imported checkpoint(s) in-process
+(`LLMEngine`). Both use `--threads` threads.
 
 - batch 1: one request at a time, `--decode-tokens` new tokens after a 32-token prompt; decode tok/s = tokens
   after the first / time after the first (llama.cpp: its own `timings.predicted_per_second`, which excludes
@@ -11,6 +13,9 @@ off. ascq runs the imported checkpoint(s) in-process (`LLMEngine`). Both use `--
   no side reuses a cached prompt: llama.cpp runs with `cache_prompt` off, ascq's prefix cache is per engine),
   llama-server with `--parallel 16` driven at concurrency 16, vs ascq `LLM.generate` on all of them; output
   tok/s = output tokens / wall time.
+- `--llama-bench PATH`: llama-bench's pp`--prompt-tokens` and tg`--decode-tokens` (its own tok/s, one
+  repetition a round) against ascq's prefill (prompt tokens / time to the first token of one new prompt) and
+  the batch-1 decode above.
 Rounds alternate anchor and candidates; the table reports min and median over rounds of the per-round ratios.
 
 Building llama-server (never an ascq dependency; keep it outside the repository):
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
@@ -160,6 +166,27 @@ def llama_batched_tps(server: LlamaServer, requests: list[tuple[list[int], int]]
     return num_tokens / (time.perf_counter() - start)
 
 
+def llama_bench_tps(binary: str, gguf: str, threads: int, prompt_tokens: int, gen_tokens: int) -> dict:
+    """llama-bench's own pp / tg throughputs (tok/s) for one repetition: {"pp": ..., "tg": ...}."""
+    settle()
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", str(prompt_tokens), "-n", str(gen_tokens)]
+    out = subprocess.run(cmd + ["-r", "1", "-o", "json"], capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    return {
+        "pp": next(float(r["avg_ts"]) for r in rows if r["n_prompt"] == prompt_tokens and r["n_gen"] == 0),
+        "tg": next(float(r["avg_ts"]) for r in rows if r["n_gen"] == gen_tokens and r["n_prompt"] == 0),
+    }
+
+
+def ascq_prefill_tps(llm, prompt: list[int]) -> float:
+    """Prompt tokens / time to the first token of one request (llama-bench's pp)."""
+    from ascq.runtime.bench.offline import run_requests
+
+    settle()
+    (result,), _ = run_requests(llm.engine, [prompt], 1)
+    return len(prompt) / result.ttft
+
+
 def ascq_llm(spec: str, max_num_seqs: int, fused: bool = True, lm_head_int8: bool = False):
     """`fused` False: the eager per-layer decode path (runtime/fused_decode.py off), for before/after in one
     run; `lm_head_int8`: the opt-in int8 LM head (ASCQ_LM_HEAD_QUANT=int8; other logits than the
@@ -193,6 +220,11 @@ def ascq_batched_tps(llm, requests: list[tuple[list[int], int]]) -> float:
     outputs = llm.generate([p for p, _ in requests], params)
     elapsed = time.perf_counter() - start
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def make_prompt(num_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 4000) for _ in range(num_tokens)]
 
 
 def make_requests(num: int, seed: int) -> list[tuple[list[int], int]]:
@@ -245,6 +277,10 @@ def main() -> None:
         metavar="NAME",
         help="run this --ascq entry with the opt-in int8 LM head (changes logits; repeatable)",
     )
+    parser.add_argument(
+        "--llama-bench", help="path of llama-bench: adds its pp / tg rows against ascq's prefill and decode"
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="llama-bench -p and ascq's prefill")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -264,11 +300,12 @@ def main() -> None:
             )
             for name, spec in specs.items()
         }
-        prompt = [random.Random(args.seed).randrange(100, 4000) for _ in range(32)]
+        prompt = make_prompt(32, args.seed)
         llama_decode_tps(server, prompt, 8)  # warm-ups
         for llm in llms.values():
             ascq_decode_tps(llm, prompt, 8)
         decode: dict[str, list[float]] = {"llama.cpp": [], **{n: [] for n in llms}}
+        bench: dict[str, list[float]] = {"pp": [], "tg": [], **{n: [] for n in llms}}
         batched: dict[str, list[float]] = {"llama.cpp": [], batched_name: []}
         for r in range(args.rounds):
             decode["llama.cpp"].append(llama_decode_tps(server, prompt, args.decode_tokens))
@@ -276,6 +313,17 @@ def main() -> None:
                 decode[name].append(ascq_decode_tps(llm, prompt, args.decode_tokens))
             line = ", ".join(f"{n} {v[-1]:.1f}" for n, v in decode.items())
             print(f"round {r + 1} batch-1 decode tok/s: {line}", flush=True)
+            if args.llama_bench:
+                measured = llama_bench_tps(
+                    args.llama_bench, args.gguf, args.threads, args.prompt_tokens, args.decode_tokens
+                )
+                bench["pp"].append(measured["pp"])
+                bench["tg"].append(measured["tg"])
+                long_prompt = make_prompt(args.prompt_tokens, args.seed + 1000 + r)  # new: no prefix hit
+                for name, llm in llms.items():
+                    bench[name].append(ascq_prefill_tps(llm, long_prompt))
+                line = ", ".join(f"{n} {v[-1]:.1f}" for n, v in bench.items())
+                print(f"round {r + 1} llama-bench / ascq prefill tok/s: {line}", flush=True)
             # new requests each round: ascq's prefix cache would serve a repeated prompt
             if args.num_requests:
                 requests = make_requests(args.num_requests, args.seed + r)
@@ -289,13 +337,24 @@ def main() -> None:
         f"\n# {args.threads} threads, {args.rounds} rounds, load avg {os.getloadavg()[0]:.1f}; "
         f"values min / median, ratios to llama.cpp in the same round min / median\n"
     )
-    print(f"| batch-1 decode ({args.decode_tokens} tokens) | tok/s | vs llama.cpp Q4_1 |\n|---|---:|---:|")
+    gguf_name = Path(args.gguf).name
+    print(f"| batch-1 decode ({args.decode_tokens} tokens) | tok/s | vs llama-server |\n|---|---:|---:|")
     for name, values in decode.items():
         print(
             summarize(
-                f"ascq {name}" if name != "llama.cpp" else "llama.cpp Q4_1", values, decode["llama.cpp"]
+                f"ascq {name}" if name != "llama.cpp" else f"llama-server {gguf_name}",
+                values,
+                decode["llama.cpp"],
             )
         )
+    if args.llama_bench:
+        print(f"\n| llama-bench {gguf_name} | tok/s | ascq vs llama-bench |\n|---|---:|---:|")
+        pp, tg = f"pp{args.prompt_tokens}", f"tg{args.decode_tokens}"
+        print(summarize(f"llama-bench {pp}", bench["pp"], bench["pp"]))
+        print(summarize(f"llama-bench {tg}", bench["tg"], bench["tg"]))
+        for name in llms:
+            print(summarize(f"ascq {name} prefill {args.prompt_tokens}", bench[name], bench["pp"]))
+            print(summarize(f"ascq {name} batch-1 decode {args.decode_tokens}", decode[name], bench["tg"]))
     if args.num_requests:
         print(
             f"\n| {args.num_requests} requests, prompts 64-512, 64-256 new | output tok/s | vs llama-server "

@@ -35,5 +35,4 @@ def test_deepseek_moe_16b_dummy_awq_int4_serves_within_12_gib(tmp_path: Path) ->
     assert result["completion_tokens"] == 8
     assert result["chat_stream_chunks"] > 2 and result["chat_finish_reason"] == "length"
     assert result["server_exit_code"] == 0
-    if result["peak_rss_gib"] > 12.0:  # issue 36, open: 13.09 GiB measured on 2026-12-04
-        pytest.xfail(f"peak RSS {result['peak_rss_gib']} GiB is over the issue's 12 GiB bound")
+    assert result["peak_pss_gib"] <= 12.0, result

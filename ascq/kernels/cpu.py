@@ -241,8 +241,14 @@ def _prepare_fbgemm(p: CpuLinear) -> None:
 
 
 def _metadata_only(w: QuantLinearWeights) -> QuantLinearWeights:
-    """`w` with its weight on the meta device: the scheme and input qparams, without holding the weight."""
-    return dataclasses.replace(w, weight=w.weight.to("meta"))
+    """`w` with its weight and weight qparams on the meta device: the scheme, shapes and input qparams,
+    without holding a second copy of what the prepared linear keeps (`scale`, `zero`, the packed copy)."""
+    on_meta = {
+        name: getattr(w, name).to("meta")
+        for name in ("weight", "weight_scale", "zero_point")
+        if getattr(w, name) is not None
+    }
+    return dataclasses.replace(w, **on_meta)
 
 
 def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) -> CpuLinear:

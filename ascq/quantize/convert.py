@@ -277,6 +277,7 @@ def build_manifest(
             "compressed_tensors_version": compressed_tensors.__version__,
             "transformers_version": transformers.__version__,
         },
+        **({"synthetic": source["synthetic"]} if source and source.get("synthetic") else {}),
     )
 
 

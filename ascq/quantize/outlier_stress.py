@@ -50,6 +50,20 @@ def _scaled(tensor: torch.Tensor, channels: list[int], factor: float, columns: b
     return out.to(tensor.dtype)
 
 
+def with_outlier_channels(name: str, tensor: torch.Tensor, channels: list[int], k: float) -> torch.Tensor:
+    """One checkpoint tensor under the transform: a decoder norm's weight x k at `channels`, a linear that
+    reads that norm with those input columns / k, any other tensor as it is (the same object)."""
+    match = _LAYER.match(name)
+    if not match:
+        return tensor
+    local = match.group(2)
+    if local in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        return _scaled(tensor, channels, k, columns=False)
+    if _ATTN_CONSUMERS.match(local) or _MLP_CONSUMERS.match(local):
+        return _scaled(tensor, channels, 1.0 / k, columns=True)
+    return tensor
+
+
 def add_outlier_channels(
     state: dict[str, torch.Tensor], channels: list[int], k: float = DEFAULT_K
 ) -> dict[str, torch.Tensor]:
@@ -59,15 +73,8 @@ def add_outlier_channels(
     out = dict(state)
     num_norms = 0
     for name, tensor in state.items():
-        match = _LAYER.match(name)
-        if not match:
-            continue
-        local = match.group(2)
-        if local in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            out[name] = _scaled(tensor, channels, k, columns=False)
-            num_norms += 1
-        elif _ATTN_CONSUMERS.match(local) or _MLP_CONSUMERS.match(local):
-            out[name] = _scaled(tensor, channels, 1.0 / k, columns=True)
+        out[name] = with_outlier_channels(name, tensor, channels, k)
+        num_norms += out[name] is not tensor and name.endswith("layernorm.weight")
     if num_norms == 0:
         raise AscqError("outlier stress: no model.layers.N.{input,post_attention}_layernorm weights found")
     return out

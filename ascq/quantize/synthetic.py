@@ -8,6 +8,7 @@ Written tensor by tensor into shards (never a whole model in memory), with a byt
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,13 @@ import torch
 from ascq.core.tensors import checkpoint_tensors
 from ascq.formats.byte_tokenizer import byte_level_tokenizer
 from ascq.quantize.ct_writer import ShardWriter
+from ascq.quantize.outlier_stress import DEFAULT_K as OUTLIER_K
+from ascq.quantize.outlier_stress import choose_channels, with_outlier_channels
+from ascq.runtime.worker.dummy import WEIGHT_STD, dummy_tokenizer
 
 EOS = "<|endoftext|>"
+LAYER_STD_SPREAD = 0.3
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def write_byte_tokenizer(out_dir: Path) -> None:
@@ -31,19 +37,38 @@ def write_synthetic_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 2 << 30,
+    trained_like: bool = False,
 ) -> int:
-    """Write config.json, tokenizer and random-weight shards; returns the checkpoint's size in bytes."""
+    """Write config.json, tokenizer and random-weight shards; returns the checkpoint's size in bytes.
+
+    `trained_like`: weights drawn like a trained model's instead of one N(0, 0.02): each layer its own
+    scale, and a few hidden channels carry activation outliers (`outlier_stress`: the norms x k there, the
+    linears that read them / k), so AWQ and GPTQ have something to correct; the tokenizer then covers the
+    whole vocabulary and has a chat template, so the converted entry serves chat requests."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_byte_tokenizer(out_dir)
+    if trained_like:
+        dummy_tokenizer(int(config["vocab_size"])).save_pretrained(out_dir)
+    else:
+        write_byte_tokenizer(out_dir)
     generator = torch.Generator().manual_seed(seed)
+    layer_std = _layer_stds(int(config["num_hidden_layers"]), generator) if trained_like else None
+    channels = choose_channels(int(config["hidden_size"]), seed=seed) if trained_like else []
     writer = ShardWriter(out_dir, max_shard_bytes)
     for name, shape in checkpoint_tensors(config):
         if name.endswith("norm.weight"):
             tensor = torch.ones(shape, dtype=dtype)
         else:
-            tensor = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
-        writer.add(name, tensor)
+            layer = _LAYER_INDEX.match(name)
+            std = layer_std[int(layer.group(1))] if layer_std is not None and layer else WEIGHT_STD
+            tensor = (torch.randn(shape, generator=generator) * std).to(dtype)
+        writer.add(name, with_outlier_channels(name, tensor, channels, OUTLIER_K) if channels else tensor)
     writer.finish()
     return sum(p.stat().st_size for p in out_dir.glob("*.safetensors"))
+
+
+def _layer_stds(num_layers: int, generator: torch.Generator) -> list[float]:
+    """Per-layer weight scales spread around WEIGHT_STD (log-normal, sigma LAYER_STD_SPREAD)."""
+    spread = torch.randn(num_layers, generator=generator) * LAYER_STD_SPREAD
+    return (WEIGHT_STD * spread.exp()).tolist()

@@ -177,6 +177,13 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any], entry_dir: Path) 
             f"produced "
             f"yet; `{manifest['planned']['commands']['convert']}` produces them.\n"
         )
+    elif manifest.get("synthetic"):
+        intro = (
+            f"**SYNTHETIC**: {manifest['synthetic']['kind']}. The shape of "
+            f"{_base_link(manifest.get('base_model'))}"
+            + (f", quantized by ascq (`{scheme}`)" if manifest.get("recipe") else ", bf16")
+            + ".\n"
+        )
     elif gguf := _gguf_source(manifest):
         package = (
             f" shipped by the PyPI package `{gguf['package']}` {gguf.get('package_version') or ''}".rstrip()
