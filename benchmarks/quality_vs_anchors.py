@@ -65,6 +65,7 @@ GGUF_TYPES = ("Q4_0", "Q4_K_M")
 GGUF_LINEAR = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
 SLACK_VS_LLMC = 0.01
 MARKER = ".quality_vs_anchors"
+ROW_KINDS = ("fp", "ascq", "llmc-awq", "llmc-gptq", "gguf")
 
 
 @dataclass
@@ -76,13 +77,24 @@ class Row:
     note: str = ""
 
 
+BOS: int | None = None  # --bos: the id put before every window
+SCORE_BATCH = 8  # --score-batch: windows per forward
+
+
 def hf_perplexity(path: Path, ids: torch.Tensor, window: int, gguf_file: str | None = None) -> float:
-    """transformers fp32 perplexity of a checkpoint folder (or of `gguf_file` in it, dequantized)."""
+    """transformers fp32 perplexity of a checkpoint folder (or of `gguf_file` in it, dequantized); with
+    `BOS` set every window is read after that token (its logits are dropped)."""
     from transformers import AutoModelForCausalLM
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
-    return perplexity(lambda batch: model(batch).logits, ids, window)
+    if BOS is None:
+        return perplexity(lambda batch: model(batch).logits, ids, window, SCORE_BATCH)
+
+    def after_bos(batch: torch.Tensor) -> torch.Tensor:
+        return model(torch.cat([torch.full_like(batch[:, :1], BOS), batch], 1)).logits[:, 1:]
+
+    return perplexity(after_bos, ids, window, SCORE_BATCH)
 
 
 def prepare_work(work: Path, model: Path) -> Path:
@@ -173,8 +185,11 @@ def gguf_rows(source: Path, work: Path, args: argparse.Namespace, ids: torch.Ten
             "GGUF F32 (read-back check)", hf_perplexity(f32.parent, ids, args.window, f32.name), bits, seconds
         )
     ]
+    variants = [("", []), (", embedding F32", ["--token-embedding-type", "f32"])]
+    if args.gguf_embedding != "both":
+        variants = [variants[args.gguf_embedding == "f32"]]
     for quant_type in GGUF_TYPES:
-        for label, flags in (("", []), (", embedding F32", ["--token-embedding-type", "f32"])):
+        for label, flags in variants:
             out = f32.parent / f"model-{quant_type}{'-embf32' if flags else ''}.gguf"
             start = time.perf_counter()
             cmd = [str(quantize), *flags, str(f32), str(out), quant_type, str(args.threads)]
@@ -250,7 +265,36 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2, help="llama-quantize threads")
     parser.add_argument("--json")
+    parser.add_argument(
+        "--bos",
+        action="store_true",
+        help="read every window after the tokenizer's bos token (models trained with one, as Gemma)",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=ROW_KINDS,
+        help="score only these rows (repeatable; default: all), e.g. the slow ones in parallel processes, "
+        "each with its own --work and --json; --merge prints them together",
+    )
+    parser.add_argument("--group-size", type=int, default=128, help="llm-compressor's, without ascq rows")
+    parser.add_argument(
+        "--gguf-embedding",
+        choices=("both", "f32", "default"),
+        default="both",
+        help="llama.cpp rows with the token embedding in F32, as llama-quantize makes it by default, or both",
+    )
+    parser.add_argument(
+        "--score-batch", type=int, default=8, help="windows per scoring forward (1 for a large vocabulary)"
+    )
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="print the rows of --json files together")
     args = parser.parse_args()
+    if args.merge:
+        rows = [Row(**r) for path in args.merge for r in json.loads(Path(path).read_text())["rows"]]
+        print_table(sorted(rows, key=lambda r: not r.name.startswith("FP")))  # the FP row first
+        print("\n" + "\n".join(bound_lines({row.name: row for row in rows})))
+        return
+    kinds = set(args.only or ROW_KINDS)
     args.gguf_python = args.gguf_python or args.llmc_python
     model, work = Path(args.model), Path(args.work)
     for path in (Path(args.llama_cpp) / "build" / "bin" / "llama-quantize", Path(args.llmc_python)):
@@ -263,26 +307,33 @@ def main() -> None:
 
     from ascq.quantize.calibration import load_calibration
 
-    calib = load_calibration(None, AutoTokenizer.from_pretrained(model), args.num_samples, args.seq_len)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    global BOS, SCORE_BATCH
+    SCORE_BATCH = args.score_batch
+    if args.bos:
+        BOS = tokenizer.bos_token_id
+    calib = load_calibration(None, tokenizer, args.num_samples, args.seq_len)
     save_file({"input_ids": calib.input_ids.contiguous()}, work / "calib.safetensors")
     ids = load_eval_token_ids(model, EVAL_TEXT)
-    print(f"eval: {EVAL_TEXT}, {ids.numel()} tokens, windows of {args.window}", flush=True)
-    rows = [Row(f"FP ({model.name})", hf_perplexity(source, ids, args.window))]
+    print(f"eval: {EVAL_TEXT}, {ids.numel()} tokens, windows of {args.window}, bos {BOS}", flush=True)
+    rows = [Row(f"FP ({model.name})", hf_perplexity(source, ids, args.window))] if "fp" in kinds else []
     groups: dict[str, int | None] = {}
-    for recipe in ASCQ_RECIPES:
+    for recipe in ASCQ_RECIPES if "ascq" in kinds else ():
         rows.append(ascq_row(source, recipe, work / f"ascq-{recipe}", args, ids))
         groups[recipe] = llmc._group_size(work / f"ascq-{recipe}")
         print("row", json.dumps(asdict(rows[-1])), flush=True)
     for algorithm, recipe in LLMC_ALGORITHMS.items():
-        rows.append(llmc_row(source, algorithm, groups[recipe], work, args, ids))
-        print("row", json.dumps(asdict(rows[-1])), flush=True)
-    rows += gguf_rows(source, work, args, ids)
+        if f"llmc-{algorithm}" in kinds:
+            rows.append(llmc_row(source, algorithm, groups.get(recipe, args.group_size), work, args, ids))
+            print("row", json.dumps(asdict(rows[-1])), flush=True)
+    rows += gguf_rows(source, work, args, ids) if "gguf" in kinds else []
     print(
         f"\nmodel {model}; calibration {args.num_samples} x {args.seq_len} tokens (ascq's calib slice, "
         f"the same blocks for llm-compressor); eval {EVAL_TEXT} ({ids.numel()} tokens, "
         f"windows of {args.window})"
     )
-    print_table(rows)
+    if "fp" in kinds:
+        print_table(rows)
     bounds = bound_lines({row.name: row for row in rows})
     print("\n" + "\n".join(bounds))
     if args.json:

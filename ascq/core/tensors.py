@@ -9,7 +9,7 @@ import functools
 import json
 from typing import Any
 
-from ascq.core.architecture import LLAMA_FAMILY, head_dim_of
+from ascq.core.architecture import GEMMA3, LLAMA_FAMILY, head_dim_of
 from ascq.core.deepseek_config import DeepseekConfig
 from ascq.core.errors import UnsupportedError
 
@@ -17,8 +17,9 @@ Shape = tuple[int, ...]
 
 
 def tie_word_embeddings(config: dict[str, Any]) -> bool:
-    """Whether the LM head is the embedding matrix (no `lm_head.weight` in the checkpoint)."""
-    return bool(config.get("tie_word_embeddings", False))
+    """Whether the LM head is the embedding matrix (no `lm_head.weight` in the checkpoint); transformers'
+    default is False, except Gemma 3's True."""
+    return bool(config.get("tie_word_embeddings", config.get("model_type") == GEMMA3))
 
 
 def qkv_bias(config: dict[str, Any]) -> bool:
@@ -74,6 +75,17 @@ def layer_tensors(config: dict[str, Any], index: int) -> list[tuple[str, Shape]]
         if ds.n_shared_experts:
             experts += _mlp("mlp.shared_experts", hidden, ds.moe_intermediate_size * ds.n_shared_experts)
         return attention + experts + norms
+    if model_type == GEMMA3:
+        bias, head_dim = bool(config.get("attention_bias")), head_dim_of(config)
+        qk_norms = [("self_attn.q_norm.weight", (head_dim,)), ("self_attn.k_norm.weight", (head_dim,))]
+        ffn_norms = [(f"{n}_feedforward_layernorm.weight", (hidden,)) for n in ("pre", "post")]
+        return (
+            _attention(config, bias, bias)
+            + qk_norms
+            + _mlp("mlp", hidden, int(config["intermediate_size"]))
+            + norms
+            + ffn_norms
+        )
     raise UnsupportedError(f"model_type {model_type!r} is not supported")
 
 

@@ -30,6 +30,7 @@ def paged_attention(
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     same_dtype = k_cache.dtype == v_cache.dtype
     native_decode = native.available() and k_cache.dtype in native.CACHE_DTYPES and same_dtype
@@ -45,4 +46,5 @@ def paged_attention(
         v_scale,
         attend_decode=_native_attend_decode if native_decode else paged_sdpa._attend_decode,
         max_query_len=max_query_len,
+        sliding_window=sliding_window,
     )

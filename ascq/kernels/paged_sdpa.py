@@ -9,6 +9,7 @@ aligns top-left). float8 caches are read and written through uint8 views, which 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -63,8 +64,11 @@ def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Te
     return slots.flatten(1)[:, :length]
 
 
-def _attend_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale):
-    """query [B, H, D], one token per sequence at its last position -> [B, H, D].
+def _attend_decode(
+    query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, sliding_window=None
+):
+    """query [B, H, D], one token per sequence at its last position -> [B, H, D]; with `sliding_window`, over
+    its last `sliding_window` positions only.
 
     Plain fp32 math: for one query row it is faster than SDPA's CPU flash kernel.
     """
@@ -75,24 +79,29 @@ def _attend_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, k_sca
     values = _gather(v_cache, slots, torch.float32, v_scale)
     q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim) * scale
     scores = q @ keys.permute(0, 2, 3, 1)  # [B, Hkv, G, L]
-    if num_seqs > 1:
-        padding = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]
-        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    if num_seqs > 1 or sliding_window is not None:
+        positions = torch.arange(max_len, device=query.device)[None, :]
+        hidden = positions >= seq_lens[:, None]
+        if sliding_window is not None:
+            hidden |= positions < seq_lens[:, None] - sliding_window
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     out = scores.softmax(dim=-1) @ values.transpose(1, 2)  # [B, Hkv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
-def _attend_prefill(query, k_cache, v_cache, block_table, seq_len, scale, k_scale, v_scale):
+def _attend_prefill(
+    query, k_cache, v_cache, block_table, seq_len, scale, k_scale, v_scale, sliding_window=None
+):
     """query [Lq, H, D] = the last Lq positions of a seq_len-token context -> [Lq, H, D]."""
     query_len, block_size = query.shape[0], k_cache.shape[1]
     slots = _slots(block_table[None], seq_len, block_size)
     keys = _gather(k_cache, slots, query.dtype, k_scale).transpose(1, 2)
     values = _gather(v_cache, slots, query.dtype, v_scale).transpose(1, 2)
     q = query.transpose(0, 1)[None]  # [1, H, Lq, D]
-    if query_len == seq_len:
+    if query_len == seq_len and sliding_window is None:
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        mask = causal_visible(seq_len, query_len, query.device)
+        mask = causal_visible(seq_len, query_len, query.device, sliding_window)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
@@ -149,10 +158,15 @@ def paged_attention(
     v_scale: float | torch.Tensor = 1.0,
     attend_decode: Callable[..., torch.Tensor] = _attend_decode,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`attend_decode` serves the one-token rows (same arguments as `_attend_decode`); a backend may bring its
-    own. `max_query_len` 1 says every row is a decode row: the layout is then not read back to the host (a
-    captured decode graph has no host reads)."""
+    own, except for a sliding-window layer, whose rows this module's masked `_attend_decode` serves. Keys
+    more than `sliding_window` positions back are masked; blocks wholly past the window are left out by the
+    caller (the model passes block tables that start at the window). `max_query_len` 1 says every row is a
+    decode row: the layout is then not read back to the host (a captured decode graph has no host reads)."""
+    if sliding_window is not None:
+        attend_decode = functools.partial(_attend_decode, sliding_window=sliding_window)
     device = query.device
     if max_query_len == 1:
         lens = seq_lens.to(device=device, dtype=torch.long)
@@ -177,6 +191,6 @@ def paged_attention(
         if query_len > SHORT_QUERY_MAX:
             chunk = slice(starts[s], starts[s] + query_len)
             out[chunk] = _attend_prefill(
-                query[chunk], k_cache, v_cache, tables[s], lengths[s], scale, k_scale, v_scale
+                query[chunk], k_cache, v_cache, tables[s], lengths[s], scale, k_scale, v_scale, sliding_window
             )
     return out

@@ -75,11 +75,17 @@ def from_cache(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     return x.float() * scale if x.dtype in FP8_DTYPES else x.float()
 
 
-def causal_visible(seq_len: int, query_len: int, device: torch.device | None = None) -> torch.Tensor:
+def causal_visible(
+    seq_len: int, query_len: int, device: torch.device | None = None, sliding_window: int | None = None
+) -> torch.Tensor:
     """bool [query_len, seq_len]: query row i (context position seq_len - query_len + i) sees positions <=
-    its own."""
-    query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
-    return torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
+    its own, and with a sliding window only the last `sliding_window` of them (its own included)."""
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    key_positions = torch.arange(seq_len, device=device)[None, :]
+    visible = key_positions <= query_positions
+    if sliding_window is not None:
+        visible &= key_positions > query_positions - sliding_window
+    return visible
 
 
 def write_kv_cache(
@@ -119,23 +125,31 @@ def paged_attention(
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query tokens over its whole cached context (this step
-    included); `max_query_len` (1: every row is a decode row) is a hint other backends use, unused here."""
+    included), within the last `sliding_window` positions when given; `max_query_len` (1: every row is a
+    decode row) is a hint other backends use, unused here."""
     out = torch.empty_like(query)
     for s in range(len(seq_lens)):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
         seq_len = int(seq_lens[s])
         keys = gather_sequence_kv(k_cache, block_tables[s], seq_len, k_scale)
         values = gather_sequence_kv(v_cache, block_tables[s], seq_len, v_scale)
-        out[start:end] = causal_attention(query[start:end].float(), keys, values, scale).to(query.dtype)
+        out[start:end] = causal_attention(query[start:end].float(), keys, values, scale, sliding_window)
     return out
 
 
-def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 attention of queries [Tq, H, D] (the last Tq positions) over keys/values [S, Hkv, D], causal, GQA
-    by repeating kv heads; also the reference models' attention (so converter and reference backend agree bit
-    for bit)."""
+def causal_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """fp32 attention of queries [Tq, H, D] (the last Tq positions) over keys/values [S, Hkv, D], causal
+    (within `sliding_window`, when given), GQA by repeating kv heads; also the reference models' attention (so
+    converter and reference backend agree bit for bit)."""
     num_heads, seq_len, query_len = q.shape[1], keys.shape[0], q.shape[0]
     group = num_heads // keys.shape[1]
     keys, values = (
@@ -144,7 +158,7 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     )
     # in place: each [H, Tq, S] temporary is a fresh mmap under the converter's malloc settings (page faults)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys).mul_(scale)
-    scores.masked_fill_(~causal_visible(seq_len, query_len, q.device), float("-inf"))
+    scores.masked_fill_(~causal_visible(seq_len, query_len, q.device, sliding_window), float("-inf"))
     scores = scores.softmax(dim=-1) if scores.requires_grad else torch.softmax(scores, dim=-1, out=scores)
     return torch.einsum("hqk,khd->qhd", scores, values)
 

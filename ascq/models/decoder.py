@@ -10,6 +10,7 @@ backend's served logits bit for bit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +21,9 @@ from torch import nn
 
 from ascq.core.architecture import head_dim_of
 from ascq.core.errors import AscqError
-from ascq.core.norm import rms_norm
+from ascq.core.norm import gemma_rms_norm, rms_norm
 from ascq.core.rotary import RotaryEmbedding
-from ascq.kernels.reference import causal_attention
+from ascq.kernels.reference import causal_attention, causal_visible
 
 # kv_hook(key, value) -> (key, value) on post-RoPE keys/values [batch, kv_heads, seq, head_dim] (calibration,
 # fp8 KV)
@@ -58,6 +59,11 @@ class AttentionShape:
 
 
 class RMSNorm(nn.Module):
+    """`weight_offset`: the norm multiplies by (weight_offset + weight); smoothing divides that sum (AWQ,
+    SmoothQuant)."""
+
+    weight_offset = 0.0
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -67,11 +73,29 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class GemmaRMSNorm(RMSNorm):
+    weight_offset = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+
 class Attention(nn.Module):
-    def __init__(self, shape: AttentionShape, rotary: RotaryEmbedding) -> None:
+    """`scale`: the query scale (head_dim ** -0.5 unless a family sets it); `sliding_window`: keys at most
+    this many positions back are seen (None: all)."""
+
+    def __init__(
+        self,
+        shape: AttentionShape,
+        rotary: RotaryEmbedding,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.shape = shape
         self.rotary_emb = rotary
+        self.scale = shape.head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
         hidden, q_size, kv_size = (
             shape.hidden_size,
             shape.num_heads * shape.head_dim,
@@ -95,6 +119,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, s.num_heads, s.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, s.num_kv_heads, s.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        q, k = self.normalize_qk(q, k)
         # [batch, 1, seq, head_dim]
         cos_sin = self.rotary_emb.cos_sin(position_ids.expand(batch, seq), x.dtype)
         q, k = self.rotary_emb.rotate(q, cos_sin), self.rotary_emb.rotate(k, cos_sin)
@@ -102,24 +127,48 @@ class Attention(nn.Module):
             k, v = kv_hook(k, v)
         if self.fused_attention is not None and x.dtype == torch.float32:
             dtype = self.fused_attention
+            window = self.sliding_window
+            mask = None if window is None else causal_visible(seq, seq, x.device, window)
             out = F.scaled_dot_product_attention(
-                q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True, scale=s.head_dim**-0.5, enable_gqa=True
+                q.to(dtype),
+                k.to(dtype),
+                v.to(dtype),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=True,
             )
             return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1).to(x.dtype))
         out = torch.stack(
             [
                 causal_attention(
-                    q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), s.head_dim**-0.5
+                    q[b].transpose(0, 1),
+                    k[b].transpose(0, 1),
+                    v[b].transpose(0, 1),
+                    self.scale,
+                    self.sliding_window,
                 )
                 for b in range(batch)
             ]
         ).to(x.dtype)
         return self.o_proj(out.reshape(batch, seq, -1))
 
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [batch, heads, seq, head_dim] before rotary: unchanged here (Gemma 3 RMS-norms them)."""
+        return q, k
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    """down(act(gate(x)) * up(x)); `activation`: a key of ACTIVATIONS."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu"
+    ) -> None:
         super().__init__()
+        self.act = ACTIVATIONS[activation]
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -128,9 +177,10 @@ class MLP(nn.Module):
         gate = self.gate_proj(x)
         # training (tests/fixtures/train_fixture.py): autograd keeps the activation's input
         if torch.is_grad_enabled():
-            return self.down_proj(F.silu(gate) * self.up_proj(x))
-        # the same values, two fewer tensors
-        return self.down_proj(F.silu(gate, inplace=True).mul_(self.up_proj(x)))
+            return self.down_proj(self.act(gate) * self.up_proj(x))
+        if self.act is F.silu:  # the same values, two fewer tensors
+            return self.down_proj(F.silu(gate, inplace=True).mul_(self.up_proj(x)))
+        return self.down_proj(self.act(gate).mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -3,8 +3,9 @@ smoothing / balance mappings SmoothQuant and AWQ read (data, in llm-compressor's
 balance_layers).
 
 Every family runs ascq's plain-PyTorch reference layer (`ascq.models.decoder.DecoderLayer`; DeepSeek-MoE v1
-with `ascq.models.deepseek_moe.DeepseekMoE` as its MLP), which shares RMSNorm, rotary, router and attention
-with the runtime; transformers stays the Llama reference in the tests. Everything keeps Hugging Face names.
+with `ascq.models.deepseek_moe.DeepseekMoE` as its MLP; Gemma 3: `ascq.models.gemma3.Gemma3DecoderLayer`),
+which shares RMSNorm, rotary, router and attention with the runtime; transformers stays the Llama and
+Gemma 3 reference in the tests. Everything keeps Hugging Face names.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascq.core.architecture import LLAMA_FAMILY, MODEL_TYPES, check_llama_config, head_dim_of
+from ascq.core import gemma3
+from ascq.core.architecture import GEMMA3, LLAMA_FAMILY, MODEL_TYPES, check_llama_config, head_dim_of
 from ascq.core.errors import AscqError, UnsupportedError
+from ascq.core.norm import gemma_rms_norm, rms_norm
+from ascq.core.tensors import tie_word_embeddings
 from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, KVHook, rotary_for
 
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
@@ -87,6 +91,20 @@ DECODER_BLOCKS = (
     LayerBlock("attention", ("input_layernorm", "self_attn")),
     LayerBlock("mlp", ("post_attention_layernorm", "mlp")),
 )
+GEMMA3_BLOCKS = (  # each branch is normed before and after
+    LayerBlock("attention", ("input_layernorm", "self_attn", "post_attention_layernorm")),
+    LayerBlock("mlp", ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")),
+)
+# The MLP reads pre_feedforward_layernorm (post_attention_layernorm norms the attention branch's output).
+# llm-compressor's Gemma 3 AWQ mappings leave input_layernorm -> q/k/v out (smoothing it degraded its
+# results, q/k being RMS-normed after the projection); ascq keeps it, since its scale search judges the
+# attention output (q/k norms included) and keeps s = 1 where smoothing does not help.
+GEMMA3_MAPPINGS = (
+    LLAMA_MAPPINGS[0],
+    LLAMA_MAPPINGS[1],
+    BalanceMapping("pre_feedforward_layernorm", _GATE_UP),
+    LLAMA_MAPPINGS[3],
+)
 
 
 def module_matches(pattern: str, name: str) -> bool:
@@ -143,7 +161,7 @@ class Architecture:
         self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
         self.head_dim = head_dim_of(config)
         self.rms_norm_eps = float(config["rms_norm_eps"])
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        self.tie_word_embeddings = tie_word_embeddings(config)
 
     def layer_prefix(self, index: int) -> str:
         return f"model.layers.{index}."
@@ -193,6 +211,14 @@ class Architecture:
         """SmoothQuant's and AWQ's mappings for layer `index` (data; resolve with `balance_groups`)."""
         return LLAMA_MAPPINGS
 
+    def embed(self, weight: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's input for `input_ids`: rows of the embedding matrix `weight`, as fp32."""
+        return weight[input_ids].float()
+
+    def final_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's last norm (`model.norm`) before the LM head."""
+        return rms_norm(hidden, weight, self.rms_norm_eps)
+
     def balance_groups(self, index: int, layer: nn.Module) -> list[BalanceGroup]:
         return resolve_mappings(layer, self.balance_mappings(index))
 
@@ -234,6 +260,31 @@ class DeepseekMoEArch(Architecture):
         return DeepseekDecoderLayer(self.ds_config, index)
 
 
+class Gemma3Arch(Architecture):
+    model_type = GEMMA3
+    blocks = GEMMA3_BLOCKS
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        gemma3.check_config(config)
+
+    def new_layer(self, index: int) -> nn.Module:
+        from ascq.models.gemma3 import Gemma3DecoderLayer
+
+        return Gemma3DecoderLayer(self.config, index)
+
+    def balance_mappings(self, index: int) -> tuple[BalanceMapping, ...]:
+        return GEMMA3_MAPPINGS
+
+    def embed(self, weight: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings times sqrt(hidden_size) rounded to the embedding's dtype (transformers')."""
+        scale = torch.tensor(gemma3.embed_scale(self.config), dtype=weight.dtype)
+        return (weight[input_ids] * scale).float()
+
+    def final_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(hidden, weight, self.rms_norm_eps)
+
+
 def load_architecture(model_dir: Path) -> Architecture:
     """The architecture of a local HF checkpoint folder; UnsupportedError names the supported model types."""
     path = Path(model_dir) / "config.json"
@@ -254,6 +305,8 @@ def architecture_from_config(config: dict[str, Any]) -> Architecture:
         return LlamaFamily(config)
     if model_type == "deepseek":
         return DeepseekMoEArch(config)
+    if model_type == GEMMA3:
+        return Gemma3Arch(config)
     raise unsupported_model_type(model_type)
 
 

@@ -199,11 +199,12 @@ def _candidate_losses(
 
 @torch.no_grad()
 def fold_into_norm(norm: nn.Module, consumers: Sequence[nn.Linear], scales: torch.Tensor) -> None:
-    """norm.weight /= s and every consumer's input columns *= s: the composed function is unchanged.
+    """norm's multiplier /= s and every consumer's input columns *= s: the composed function is unchanged.
 
     `consumers` includes every linear that reads the norm's output (for MoE, the router too, unquantized).
     """
-    norm.weight.data = (norm.weight.float() / scales).to(norm.weight.dtype)
+    offset = getattr(norm, "weight_offset", 0.0)  # Gemma's norms multiply by (1 + weight)
+    norm.weight.data = ((norm.weight.float() + offset) / scales - offset).to(norm.weight.dtype)
     if getattr(norm, "bias", None) is not None:
         norm.bias.data = (norm.bias.float() / scales).to(norm.bias.dtype)
     for lin in consumers:

@@ -24,7 +24,6 @@ from tqdm import tqdm
 
 from ascq.core.errors import AscqError
 from ascq.core.heap import trim_heap
-from ascq.core.norm import rms_norm
 from ascq.core.qmath import linear_group_size
 from ascq.evaluate import eval_windows, perplexity
 from ascq.formats.safetensors import CheckpointReader
@@ -162,8 +161,8 @@ def gemm_in(linear: nn.Linear, dtype: torch.dtype, casts: dict) -> None:
     linear.forward = forward
 
 
-def _batches(embed: torch.Tensor, ids: torch.Tensor, device: str) -> list[torch.Tensor]:
-    return [embed[chunk].float().to(device) for chunk in ids.split(BATCH_SIZE)]
+def _batches(arch: Architecture, embed: torch.Tensor, ids: torch.Tensor, device: str) -> list[torch.Tensor]:
+    return [arch.embed(embed, chunk).to(device) for chunk in ids.split(BATCH_SIZE)]
 
 
 def _forward_all(
@@ -361,8 +360,8 @@ def stream_convert(
     embed = reader.get("model.embed_tokens.weight")
     job.writer.add("model.embed_tokens.weight", embed)
     windows = eval_windows(eval_ids, EVAL_SEQ_LEN) if eval_ids is not None else None
-    eval_batches = _batches(embed, windows, device) if windows is not None else []
-    state = StreamState(_batches(embed, calib_ids, device), eval_batches, eval_batches)
+    eval_batches = _batches(arch, embed, windows, device) if windows is not None else []
+    state = StreamState(_batches(arch, embed, calib_ids, device), eval_batches, eval_batches)
     del embed
     for index in tqdm(range(arch.num_layers), desc="converting layers", unit="layer", disable=not progress):
         convert_layer(job, state, index)
@@ -410,6 +409,6 @@ def _perplexity(
         h = next(batches)
         if h.shape[0] != batch_ids.shape[0]:
             raise RuntimeError("eval batches out of order")
-        return rms_norm(h, norm.to(h.device), arch.rms_norm_eps) @ head.T
+        return arch.final_norm(h, norm.to(h.device)) @ head.T
 
     return perplexity(logits_fn, windows.flatten(), EVAL_SEQ_LEN, batch_size=BATCH_SIZE)

@@ -21,7 +21,6 @@ from torch.utils.hooks import RemovableHandle
 
 from ascq.core import qmath
 from ascq.core.errors import AscqError
-from ascq.core.norm import rms_norm
 from ascq.formats import QuantizedLinear
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.safetensors import CheckpointReader
@@ -231,13 +230,13 @@ def reference_logits(entry_dir: str | Path, input_ids: torch.Tensor, device: str
     ckpt = QuantizedCheckpoint(Path(entry_dir))
     arch, reader = ckpt.arch, ckpt.reader
     input_ids = input_ids.to(device)
-    hidden = reader.get("model.embed_tokens.weight").float().to(device)[input_ids]
+    hidden = arch.embed(reader.get("model.embed_tokens.weight").to(device), input_ids)
     position_ids = torch.arange(input_ids.shape[1], device=device)[None]
     for index in range(arch.num_layers):
         layer, _, kv_hook = ckpt.layer(index, device)
         hidden = arch.forward_layer(layer, hidden, position_ids, kv_hook=kv_hook)
         del layer
-    hidden = rms_norm(hidden, reader.get("model.norm.weight").float().to(device), arch.rms_norm_eps)
+    hidden = arch.final_norm(hidden, reader.get("model.norm.weight").float().to(device))
     head = (
         "model.embed_tokens.weight"
         if arch.tie_word_embeddings and "lm_head.weight" not in reader

@@ -95,7 +95,8 @@ class SmoothQuantModifier(Modifier):
             scales = torch.where(act_max[norm] > 0, scales, torch.ones_like(scales)).clamp(min=MIN_SCALE)
             if len(quantized) < len(linears):  # a full-precision reader (the router): compensate it exactly
                 scales = power_of_two(scales)
-            ctx.module(norm).weight.div_(scales)
+            offset = getattr(ctx.module(norm), "weight_offset", 0.0)  # Gemma: (1 + weight)
+            ctx.module(norm).weight.add_(offset).div_(scales).sub_(offset)
             for name in linears:
                 ctx.module(name).weight.mul_(scales)
             self.num_smoothed += 1

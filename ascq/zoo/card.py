@@ -15,6 +15,9 @@ from huggingface_hub import ModelCard, ModelCardData
 from safetensors import safe_open
 
 from ascq.atomic_file import atomic_write
+from ascq.core import gemma3
+from ascq.core.architecture import GEMMA3, head_dim_of
+from ascq.core.tensors import tie_word_embeddings
 from ascq.formats.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest, sha256_file
 from ascq.paths import RECIPES_DIR, zoo_root
 
@@ -45,7 +48,7 @@ def render_card(entry_dir: Path, repo_id: str | None = None) -> str:
     entry_dir = Path(entry_dir)
     manifest = read_manifest(entry_dir)
     config = _read_json(entry_dir / "config.json")
-    quantized = bool(manifest.get("recipe"))
+    quantized = quantized_from(manifest)
     license_fields = _license(manifest)
     data = ModelCardData(
         base_model=(manifest.get("base_model") or None) if quantized else None,  # a fixture is its own base
@@ -181,6 +184,18 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any], entry_dir: Path) 
             + (f", quantized by ascq (`{scheme}`)" if manifest.get("recipe") else ", bf16")
             + ".\n"
         )
+    elif gguf := _gguf_source(manifest):
+        package = (
+            f" shipped by the PyPI package `{gguf['package']}` {gguf.get('package_version') or ''}".rstrip()
+            if gguf.get("package")
+            else ""
+        )
+        intro = (
+            f"{_base_link(manifest.get('base_model'))} imported by `ascq zoo import-gguf` from the GGUF file "
+            f"`{gguf['file']}`{package} ({gguf['quantization_type']}): "
+            f"llama.cpp's quantized tensors dequantized into {gguf.get('dtype', 'bfloat16')} weights, a "
+            "Hugging Face checkpoint that ascq converts and serves.\n"
+        )
     elif not manifest.get("recipe"):
         intro = (
             "A fixture model trained by ascq for its tests and examples. No quantization recipe was applied: "
@@ -190,12 +205,14 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any], entry_dir: Path) 
         intro = f"A `{scheme}` quantization of {_base_link(manifest.get('base_model'))} made with ascq.\n"
     calibration = manifest.get("calibration") or {}
     rows = [
-        ("base model", _base_link(manifest.get("base_model") if manifest.get("recipe") else None)),
+        ("base model", _base_link(manifest.get("base_model") if quantized_from(manifest) else None)),
+        ("architecture", architecture_text(config)),
         ("scheme", f"`{scheme}`: {SCHEME_TEXT.get(scheme, scheme)}"),
         ("format", _format_text(manifest, config)),
         (
             "recipe",
-            ", ".join(f"`{n}`" for n in (manifest.get("recipe") or {}).get("names", [])) or "none (fixture)",
+            ", ".join(f"`{n}`" for n in (manifest.get("recipe") or {}).get("names", []))
+            or ("none (GGUF import)" if _gguf_source(manifest) else "none (fixture)"),
         ),
         (
             "calibration",
@@ -209,6 +226,42 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any], entry_dir: Path) 
     ]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     return f"{intro}\n{table}"
+
+
+def _gguf_source(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The GGUF file an imported entry was made from (`import-gguf`), else None."""
+    return (manifest.get("source") or {}).get("gguf") if not manifest.get("recipe") else None
+
+
+def quantized_from(manifest: dict[str, Any]) -> bool:
+    """Whether the entry derives from its base model (a recipe applied, or an imported GGUF)."""
+    return bool(manifest.get("recipe")) or bool(_gguf_source(manifest))
+
+
+def architecture_text(config: dict[str, Any]) -> str:
+    """The family and shape of the model, from its config."""
+    model_type = config.get("model_type")
+    if not model_type or "num_hidden_layers" not in config:
+        return "-"
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    tied = "tied" if tie_word_embeddings(config) else "untied"
+    text = (
+        f"`{model_type}` ({', '.join(config.get('architectures') or [])}): {config['num_hidden_layers']} "
+        f"layers, hidden {config['hidden_size']}, {heads} query / {kv_heads} KV heads of "
+        f"{head_dim_of(config)}, "
+        f"vocabulary {config['vocab_size']} ({tied} embeddings)"
+    )
+    if model_type == GEMMA3:
+        types = gemma3.layer_types(config)
+        local, full = (gemma3.rope_config(config, t)["rope_theta"] for t in (gemma3.SLIDING, gemma3.FULL))
+        text += (
+            f"; sliding-window attention ({config.get('sliding_window')} tokens) on "
+            f"{types.count(gemma3.SLIDING)} of {len(types)} layers, rope base {local:,.0f} on those and "
+            f"{full:,.0f} on the global ones; q/k RMSNorm, four (1 + weight) RMSNorms per layer, "
+            f"GELU-tanh MLP, embeddings scaled by sqrt({config['hidden_size']})"
+        )
+    return text
 
 
 def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
@@ -243,6 +296,8 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
 
 def _recipe_section(manifest: dict[str, Any]) -> str:
     recipe = manifest.get("recipe")
+    if not recipe and _gguf_source(manifest):
+        return "## Recipe\n\nNone: the GGUF file's weights, dequantized (`ascq convert` quantizes them).\n"
     if not recipe:
         return "## Recipe\n\nNone: this is a fixture model, not a quantization.\n"
     names, text, how = recipe.get("names", []), recipe.get("text"), "verbatim"

@@ -77,10 +77,13 @@ def paged_attention(
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query rows over its cached context; [T, H, D] in query.dtype
     (`max_query_len`, a hint for the cpu backend, is unused: the fused kernel takes the lengths as they
-    are)."""
+    are). Sliding-window layers are refused (not written against the op's band mode yet)."""
+    if sliding_window is not None:
+        raise UnsupportedError("sliding-window attention (Gemma 3) is not supported on --device npu")
     _check_cache(k_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     out, _ = torch_npu().npu_fused_infer_attention_score(

@@ -1,12 +1,12 @@
 """RMSNorm (`ascq.core.norm.rms_norm`) as a loadable module, with the residual add fused in (returns the new
-residual too)."""
+residual too); `GemmaRMSNorm` multiplies by (1 + weight) (`ascq.core.norm.gemma_rms_norm`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ascq.core.norm import rms_norm
+from ascq.core.norm import gemma_rms_norm, rms_norm
 from ascq.runtime.layers.loadable import assign_parameter
 
 
@@ -29,3 +29,8 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps)

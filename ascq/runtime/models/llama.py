@@ -12,6 +12,7 @@ from torch import nn
 
 from ascq.core.architecture import check_llama_config, divide, head_dim_of, kv_heads_per_rank
 from ascq.core.rotary import RotaryEmbedding
+from ascq.core.tensors import tie_word_embeddings
 from ascq.runtime.distributed.parallel import tp_world_size
 from ascq.runtime.layers.attention import Attention, AttentionMetadata
 from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -174,7 +175,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: dict[str, Any], make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.config = config
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        self.tie_word_embeddings = tie_word_embeddings(config)
         self.model = DecoderModel(config, make_layer)
         self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"])
 
