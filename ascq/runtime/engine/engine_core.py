@@ -18,8 +18,8 @@ never left behind.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -199,8 +199,9 @@ class EngineCore:
 
 
 class EngineCoreProcess:
-    """Serving-process handle: starts the core (spawn), waits until it is ready, sends and receives
-    messages."""
+    """Serving-process handle: starts the core (`python -m ascq.runtime.engine.engine_core`, its arguments
+    pickled on stdin, the duplex pipe one end of a socketpair it inherits), waits until it is ready, sends and
+    receives messages."""
 
     def __init__(
         self,
@@ -211,17 +212,19 @@ class EngineCoreProcess:
         import os
 
         from ascq.core.errors import AscqError
+        from ascq.runtime.distributed.module_process import ModuleProcess
 
-        context = multiprocessing.get_context("spawn")
-        self.conn, child_conn = context.Pipe(duplex=True)
-        self.process = context.Process(
-            target=run_engine_core,
-            args=(engine_args, child_conn, os.getpid(), describe),
-            name="ascq-engine-core",
-            daemon=False,
-        )
-        self.process.start()
-        child_conn.close()
+        ours, theirs = socket.socketpair()
+        self.conn = Connection(ours.detach())
+        try:
+            self.process = ModuleProcess(
+                "ascq-engine-core",
+                "ascq.runtime.engine.engine_core",
+                (engine_args, theirs.fileno(), os.getpid(), describe),
+                pass_fds=(theirs.fileno(),),
+            )
+        finally:
+            theirs.close()
         deadline = time.monotonic() + startup_timeout_s
         while not self.conn.poll(0.2):
             if not self.process.is_alive() or time.monotonic() > deadline:
@@ -236,12 +239,17 @@ class EngineCoreProcess:
             raise AscqError("the engine process exited while loading the model") from None
         if message[0] == "failed":
             self.process.join(10)
+            self.kill()
             raise AscqError(message[1])
         self.info: dict[str, Any] = message[1]
 
     @property
     def pid(self) -> int | None:
         return self.process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
@@ -256,8 +264,25 @@ class EngineCoreProcess:
             pass
         self.process.join(timeout_s)
         self.kill()
+        self.conn.close()
 
     def kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+
+
+def main() -> None:
+    """Entry point of the core process: (engine_args, pipe fd, parent pid, describe) pickled on stdin."""
+    import pickle
+    import sys
+
+    # run as __main__: the package's copy of this module, so the deltas pickle as ascq's classes
+    from ascq.runtime.engine import engine_core
+
+    engine_args, fd, parent_pid, describe = pickle.load(sys.stdin.buffer)
+    engine_core.run_engine_core(engine_args, Connection(fd), parent_pid, describe)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,8 @@ import difflib
 from dataclasses import fields
 from typing import Any
 
+from ascq.runtime.distributed.rendezvous import torchrun_rank
+from ascq.runtime.engine.core_client import EngineCoreClient
 from ascq.runtime.engine.engine_args import EngineArgs
 from ascq.runtime.engine.llm_engine import LLMEngine
 from ascq.runtime.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -81,7 +83,16 @@ class LLM:
             tokenizer_obj = tokenizer
         elif tokenizer is not None:
             engine_args["tokenizer"] = tokenizer
-        self.engine = LLMEngine(engine_args_from_kwargs(model, engine_args), tokenizer=tokenizer_obj)
+        args = engine_args_from_kwargs(model, engine_args)
+        if args.world_size > 1 and torchrun_rank() is None:  # rank 0 in its own process: see core_client.py
+            if tokenizer_obj is not None:
+                raise ValueError(
+                    "a tokenizer object cannot be used with tensor / pipeline parallel (the engine runs in "
+                    "its own process); pass the tokenizer's path"
+                )
+            self.engine: LLMEngine | EngineCoreClient = EngineCoreClient(args)
+        else:
+            self.engine = LLMEngine(args, tokenizer=tokenizer_obj)
         self.num_requests = 0
 
     def shutdown(self) -> None:

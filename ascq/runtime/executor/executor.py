@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
-import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +27,7 @@ import torch.distributed as dist
 
 from ascq.core.errors import AscqError
 from ascq.platforms import platform_for
+from ascq.runtime.distributed.module_process import ModuleProcess
 from ascq.runtime.distributed.parallel import ParallelState, destroy_parallel, init_parallel
 from ascq.runtime.distributed.process_watch import exit_with_parent
 from ascq.runtime.distributed.rendezvous import torchrun_rank
@@ -211,58 +209,20 @@ def run_node(args: Any) -> None:
         raise AscqError(f"node {args.node_rank}: worker exit codes {codes}")
 
 
-class WorkerProcess:
-    """One rank's process, started from the module entry point `ascq.runtime.executor.worker`."""
-
-    def __init__(self, name: str, start_args: tuple) -> None:
-        self.name = name
-        package_root = str(Path(__file__).resolve().parents[3])  # where the ascq this process runs lives
-        env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-        )
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "ascq.runtime.executor.worker"], stdin=subprocess.PIPE, env=env
-        )
-        try:
-            self.popen.stdin.write(pickle.dumps(start_args))
-            self.popen.stdin.close()
-        except BrokenPipeError:  # it died at once; is_alive() says so
-            pass
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.popen.poll()
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def join(self, timeout_s: float | None) -> None:
-        try:
-            self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def kill(self) -> None:
-        self.popen.kill()
-
-
 def spawn_workers(
     args: Any, config: dict[str, Any], dtype: torch.dtype, init_method: str, ranks: range, local_world: int
-) -> list[WorkerProcess]:
+) -> list[ModuleProcess]:
     return [
-        WorkerProcess(
+        ModuleProcess(
             f"ascq-rank-{rank}",
+            "ascq.runtime.executor.worker",
             (args, config, dtype, RankInfo(rank, rank % local_world, init_method), os.getpid()),
         )
         for rank in ranks
     ]
 
 
-def join_or_kill(process: WorkerProcess, timeout_s: float | None) -> int:
+def join_or_kill(process: ModuleProcess, timeout_s: float | None) -> int:
     process.join(timeout_s)
     if process.is_alive():
         process.kill()
@@ -270,7 +230,7 @@ def join_or_kill(process: WorkerProcess, timeout_s: float | None) -> int:
     return process.exitcode or 0
 
 
-def watched(processes: list[WorkerProcess], work: Any, what: str) -> Any:
+def watched(processes: list[ModuleProcess], work: Any, what: str) -> Any:
     """`work()` in a thread while this one watches the workers: a worker that exits first is a one-line
     AscqError here within WATCH_INTERVAL_S (rank 0 would otherwise wait for it until the group's timeout)."""
     result: dict[str, Any] = {}

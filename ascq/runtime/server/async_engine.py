@@ -278,7 +278,7 @@ class AsyncEngine:
         self._dead = True
         logger.error(
             "the engine process died (exit code %s); failing every request and exiting",
-            self.core.process.exitcode,
+            self.core.exitcode,
         )
         self._fail_all(APIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead"))
         if self.on_engine_dead is not None:
