@@ -7,6 +7,7 @@ completion, ignore_eos: tokens after the first / time after the first).
 
     OMP_NUM_THREADS=2 python benchmarks/dummy_serve.py [--model zoo/deepseek-moe-16b] [--recipe awq-int4] \
         [--json out.json]
+    OMP_NUM_THREADS=2 python benchmarks/dummy_serve.py --model CONVERTED_ENTRY --own-weights
 
 With no --max-model-len / --kv-cache-memory the server runs with its defaults: the card's command as typed.
 tests/test_dummy_serve.py (slow) runs it and checks its JSON.
@@ -75,10 +76,16 @@ def decode_tokens_per_s(client: openai.OpenAI, model: str, num_tokens: int) -> f
 
 
 def measure(
-    model: str, recipe: str, max_model_len: int | None, kv_cache_memory: int | None, decode_tokens: int
+    model: str,
+    recipe: str | None,
+    max_model_len: int | None,
+    kv_cache_memory: int | None,
+    decode_tokens: int,
 ) -> dict:
+    """`recipe` None: the folder's own weights (a converted entry), else dummy weights in that recipe's
+    format."""
     log_path = Path(tempfile.mkdtemp(prefix="dummy-serve-")) / "server.log"
-    extra = ["--load-format", "dummy", "--quantization", recipe]
+    extra = ["--load-format", "dummy", "--quantization", recipe] if recipe else []
     if max_model_len is not None:
         extra += ["--max-model-len", str(max_model_len)]
     if kv_cache_memory is not None:
@@ -120,13 +127,17 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="zoo/deepseek-moe-16b")
-    parser.add_argument("--recipe", default="awq-int4")
+    parser.add_argument("--recipe", default="awq-int4", help="the dummy weights' format")
+    parser.add_argument(
+        "--own-weights", action="store_true", help="serve the folder's weights (a converted entry), not dummy"
+    )
     parser.add_argument("--max-model-len", type=int, help="default: the model's")
     parser.add_argument("--kv-cache-memory", type=int, help="bytes (default: the server's)")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    result = measure(args.model, args.recipe, args.max_model_len, args.kv_cache_memory, args.decode_tokens)
+    recipe = None if args.own_weights else args.recipe
+    result = measure(args.model, recipe, args.max_model_len, args.kv_cache_memory, args.decode_tokens)
     result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     print(json.dumps(result, indent=2))
     if args.json:

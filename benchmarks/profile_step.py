@@ -30,10 +30,12 @@ from ascq.core.rotary import RotaryEmbedding
 from ascq.runtime.layers.attention import Attention
 from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ascq.runtime.layers.linear import LinearBase
+from ascq.runtime.layers.moe import FusedMoE
 from ascq.runtime.layers.rmsnorm import RMSNorm
 
 LEAF_LAYERS = {
     LinearBase: "linears",
+    FusedMoE: "moe experts (routing, grouped expert linears)",
     RMSNorm: "norms (+residual add)",
     RotaryEmbedding: "rotary",
     VocabParallelEmbedding: "embedding",
@@ -108,6 +110,7 @@ def instrument(llm: LLM, clock: StepClock) -> None:
 FORWARD_PARTS = (
     "fused decode layers (native)",
     "linears",
+    "moe experts (routing, grouped expert linears)",
     "attention kernel",
     "kv cache write",
     "norms (+residual add)",
