@@ -153,8 +153,9 @@ def test_stale_staging_is_named_and_removed_by_convert_and_gc(model, tmp_path, c
 )
 def test_signal_during_convert_removes_staging(sig, code, word, tmp_path) -> None:
     model = tmp_path / "model"
+    # 64 layers: the convert must still be running when the signal arrives, also on a starved 2-core host
     write_synthetic_checkpoint(
-        model, dict(LLAMA, num_hidden_layers=24, hidden_size=256, intermediate_size=512)
+        model, dict(LLAMA, num_hidden_layers=64, hidden_size=256, intermediate_size=512)
     )
     out = tmp_path / "zoo" / "entry"
     cmd = [

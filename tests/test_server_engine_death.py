@@ -37,7 +37,7 @@ def test_engine_killed_mid_stream(tiny_llama_dir: Path, tmp_path: Path) -> None:
     try:
         started.wait()
         # not the resource tracker
-        engine = next(c for c in children if "ascq.runtime.engine.engine_core" in " ".join(c.cmdline()))
+        engine = next(c for c in children if "ascq.runtime.engine.core_main" in " ".join(c.cmdline()))
         start = time.monotonic()
         os.kill(engine.pid, signal.SIGKILL)
         answers = []

@@ -13,6 +13,9 @@ from ascq.core.architecture import GEMMA3, LLAMA_FAMILY, head_dim_of
 from ascq.core.deepseek_config import DeepseekConfig
 from ascq.core.errors import UnsupportedError
 
+# std of random weights at a checkpoint's shape (dummy loads, synthetic sources): a trained model's order
+DUMMY_WEIGHT_STD = 0.02
+
 Shape = tuple[int, ...]
 
 

@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 
-from ascq.core.tensors import checkpoint_tensors
+from ascq.core.tensors import DUMMY_WEIGHT_STD, checkpoint_tensors
 from ascq.formats.byte_tokenizer import byte_level_tokenizer, dummy_tokenizer
 from ascq.quantize.ct_writer import ShardWriter
 from ascq.quantize.outlier_stress import DEFAULT_K as OUTLIER_K
 from ascq.quantize.outlier_stress import choose_channels, with_outlier_channels
-from ascq.runtime.worker.dummy import WEIGHT_STD
 
 EOS = "<|endoftext|>"
 LAYER_STD_SPREAD = 0.3
@@ -61,7 +60,7 @@ def write_synthetic_checkpoint(
             tensor = torch.ones(shape, dtype=dtype)
         else:
             layer = _LAYER_INDEX.match(name)
-            std = layer_std[int(layer.group(1))] if layer_std is not None and layer else WEIGHT_STD
+            std = layer_std[int(layer.group(1))] if layer_std is not None and layer else DUMMY_WEIGHT_STD
             tensor = (torch.randn(shape, generator=generator) * std).to(dtype)
         writer.add(name, with_outlier_channels(name, tensor, channels, OUTLIER_K) if channels else tensor)
     writer.finish()
@@ -69,6 +68,6 @@ def write_synthetic_checkpoint(
 
 
 def _layer_stds(num_layers: int, generator: torch.Generator) -> list[float]:
-    """Per-layer weight scales spread around WEIGHT_STD (log-normal, sigma LAYER_STD_SPREAD)."""
+    """Per-layer weight scales spread around DUMMY_WEIGHT_STD (log-normal, sigma LAYER_STD_SPREAD)."""
     spread = torch.randn(num_layers, generator=generator) * LAYER_STD_SPREAD
-    return (WEIGHT_STD * spread.exp()).tolist()
+    return (DUMMY_WEIGHT_STD * spread.exp()).tolist()

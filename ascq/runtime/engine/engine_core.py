@@ -199,7 +199,7 @@ class EngineCore:
 
 
 class EngineCoreProcess:
-    """Serving-process handle: starts the core (`python -m ascq.runtime.engine.engine_core`, its arguments
+    """Serving-process handle: starts the core (`python -m ascq.runtime.engine.core_main`, its arguments
     pickled on stdin, the duplex pipe one end of a socketpair it inherits), waits until it is ready, sends and
     receives messages."""
 
@@ -219,7 +219,7 @@ class EngineCoreProcess:
         try:
             self.process = ModuleProcess(
                 "ascq-engine-core",
-                "ascq.runtime.engine.engine_core",
+                "ascq.runtime.engine.core_main",
                 (engine_args, theirs.fileno(), os.getpid(), describe),
                 pass_fds=(theirs.fileno(),),
             )
@@ -270,19 +270,3 @@ class EngineCoreProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-
-
-def main() -> None:
-    """Entry point of the core process: (engine_args, pipe fd, parent pid, describe) pickled on stdin."""
-    import pickle
-    import sys
-
-    # run as __main__: the package's copy of this module, so the deltas pickle as ascq's classes
-    from ascq.runtime.engine import engine_core
-
-    engine_args, fd, parent_pid, describe = pickle.load(sys.stdin.buffer)
-    engine_core.run_engine_core(engine_args, Connection(fd), parent_pid, describe)
-
-
-if __name__ == "__main__":
-    main()

@@ -20,9 +20,8 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from ascq.core.qmath import linear_group_size
-from ascq.core.tensors import checkpoint_tensors
+from ascq.core.tensors import DUMMY_WEIGHT_STD, checkpoint_tensors
 
-WEIGHT_STD = 0.02
 POOL_SIZE = 1 << 24
 INPUT_SCALE = 4.0 / 127  # a static int8 input scale for activations of magnitude up to about 4
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -56,7 +55,7 @@ def _dense(name: str, shape: tuple[int, ...], generator: torch.Generator) -> tor
 @functools.lru_cache(maxsize=2)
 def _normal_pool(seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(POOL_SIZE, generator=generator) * WEIGHT_STD).to(torch.bfloat16)
+    return (torch.randn(POOL_SIZE, generator=generator) * DUMMY_WEIGHT_STD).to(torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=4)
@@ -94,7 +93,7 @@ def random_quantized_linear(
     tensors = {
         "weight": _window(_int_pool(generator.initial_seed(), low, high), shape, generator),
         "weight_scale": torch.full(
-            (out_features, num_groups), WEIGHT_STD / uniform_std, dtype=torch.bfloat16
+            (out_features, num_groups), DUMMY_WEIGHT_STD / uniform_std, dtype=torch.bfloat16
         ),
     }
     if not weights.symmetric:
