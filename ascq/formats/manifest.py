@@ -175,8 +175,11 @@ class Terminated(BaseException):
 
 
 @contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """Turn SIGTERM into `Terminated` inside the block (main thread only), so that cleanup code runs."""
+def signals_raise() -> Iterator[None]:
+    """Inside the block (main thread only) SIGTERM raises `Terminated` and SIGINT `KeyboardInterrupt`, also
+    when the signal lands inside a C extension's Python callback (safetensors' get_tensor), where the error
+    would otherwise surface as another one (a ValueError): cleanup code runs and the CLI prints its one line.
+    A SIGINT the process was started with ignored (`nohup`, `&`) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -185,19 +188,23 @@ def sigterm_raises() -> Iterator[None]:
 
     def handler(signum: int, frame: Any) -> None:
         received.append(signum)
-        raise Terminated()
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    signums = [signal.SIGTERM] + (
+        [signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else []
+    )
+    previous = {signum: signal.signal(signum, handler) for signum in signums}
     try:
         yield
-    except Terminated:
+    except (Terminated, KeyboardInterrupt):
         raise
     except BaseException as exc:
-        if received:  # raised inside a C extension's callback, Terminated can surface as another exception
-            raise Terminated() from exc
+        if received:  # raised inside a C extension's callback: the first signal decides
+            raise (Terminated() if received[0] == signal.SIGTERM else KeyboardInterrupt()) from exc
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler_before in previous.items():
+            signal.signal(signum, handler_before)
 
 
 def resolve_local_model(name_or_path: str | os.PathLike) -> Path:
@@ -234,7 +241,7 @@ def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
     except OSError as exc:
         raise AscqError(f"cannot write to {target.parent}: {exc.strerror or exc}") from None
     try:
-        with sigterm_raises():
+        with signals_raise():
             yield staging
             if not (staging / MANIFEST_NAME).is_file():
                 raise AssertionError("staged_entry: write_manifest was not called before the block ended")

@@ -22,7 +22,7 @@ from ascq.formats.manifest import (
     group_size_fit_text,
     new_manifest,
     read_manifest,
-    sigterm_raises,
+    signals_raise,
     staged_entry,
     write_manifest,
 )
@@ -154,7 +154,7 @@ def default_output(model_dir: Path, recipe_names: list[str], fmt: str) -> Path:
 
 def convert(options: ConvertOptions) -> Path:
     """Convert and write the entry; returns its folder. SIGTERM (like Ctrl-C) removes the staging folder."""
-    with sigterm_raises():
+    with signals_raise():
         return _convert(options)
 
 
