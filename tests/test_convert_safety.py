@@ -208,8 +208,10 @@ def test_a_signal_that_surfaces_as_another_exception_is_still_that_signal(sig, e
     """A signal inside a C extension's Python callback (safetensors' get_tensor, seen in CI) can reach us as a
     ValueError; inside `signals_raise` it is still `Terminated` / `KeyboardInterrupt`, so convert exits 143 /
     130 with its one line."""
-    with pytest.raises(expected) as info:
-        with signals_raise():
+    # Python's own SIGINT handler, as in a foreground run (a suite started with `&` has SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(expected) as info, signals_raise():
             try:
                 os.kill(os.getpid(), sig)
                 time.sleep(5)  # the handler raises here
@@ -217,6 +219,8 @@ def test_a_signal_that_surfaces_as_another_exception_is_still_that_signal(sig, e
                 raise ValueError(
                     "could not determine the shape of object type 'torch.storage.UntypedStorage'"
                 ) from None
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert isinstance(info.value.__cause__, ValueError)
     with pytest.raises(ValueError):  # no signal: other errors pass through unchanged
         with signals_raise():
