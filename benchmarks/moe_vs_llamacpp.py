@@ -83,14 +83,6 @@ def ascq_worker(payload: str) -> None:
     print(json.dumps(result), flush=True)
 
 
-def ratio_line(name: str, values: list[float], anchors: list[float]) -> str:
-    ratios = [v / a for v, a in zip(values, anchors, strict=True)]
-    return (
-        f"| {name} | {min(values):.2f} / {statistics.median(values):.2f} | "
-        f"{min(ratios):.2f}x / {statistics.median(ratios):.2f}x |"
-    )
-
-
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--ascq-worker":
         ascq_worker(sys.argv[2])
@@ -130,7 +122,7 @@ def main() -> None:
         (f"{args.num_requests} requests vs llama-server --parallel 16", "batched", "batched"),
     )
     for name, ours, theirs in pairs:
-        print(ratio_line(name, rows[f"ascq {ours}"], rows[f"llama {theirs}"]))
+        print(vs.summarize(name, rows[f"ascq {ours}"], rows[f"llama {theirs}"], digits=2))
     print("\n| llama.cpp | tok/s |\n|---|---:|")
     for key in ("tg", "pp", "decode", "batched"):
         values = rows[f"llama {key}"]

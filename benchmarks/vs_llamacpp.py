@@ -243,10 +243,10 @@ def make_requests(
     ]
 
 
-def summarize(name: str, values: list[float], anchor: list[float]) -> str:
+def summarize(name: str, values: list[float], anchor: list[float], digits: int = 1) -> str:
     ratios = [v / a for v, a in zip(values, anchor, strict=True)]
     return (
-        f"| {name} | {min(values):.1f} / {statistics.median(values):.1f} | "
+        f"| {name} | {min(values):.{digits}f} / {statistics.median(values):.{digits}f} | "
         f"{min(ratios):.2f}x / {statistics.median(ratios):.2f}x |"
     )
 
