@@ -127,7 +127,7 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="zoo/deepseek-moe-16b")
-    parser.add_argument("--recipe", default="awq-int4", help="the dummy weights' format")
+    parser.add_argument("--recipe", help="the dummy weights' format (default: awq-int4)")
     parser.add_argument(
         "--own-weights", action="store_true", help="serve the folder's weights (a converted entry), not dummy"
     )
@@ -136,7 +136,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    recipe = None if args.own_weights else args.recipe
+    if args.own_weights and args.recipe:
+        parser.error("--recipe names the dummy weights' format; --own-weights serves the folder's weights")
+    recipe = None if args.own_weights else args.recipe or "awq-int4"
     result = measure(args.model, recipe, args.max_model_len, args.kv_cache_memory, args.decode_tokens)
     result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     print(json.dumps(result, indent=2))

@@ -6,10 +6,6 @@ answering a chat request through the model's chat template (the real server and 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -102,37 +98,14 @@ def test_serve_answers_a_chat_request_with_the_chat_template(tmp_path: Path) -> 
     from openai import OpenAI
     from transformers import AutoTokenizer
 
-    port = 18000 + os.getpid() % 1000
+    from ascq.runtime.server.launcher import launch_server, stop_server
+
     env = {**os.environ, "PYTHONPATH": str(PROJECT_DIR)}
-    code = "import sys; from ascq.cli import main; sys.argv[0] = 'ascq'; main()"
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (closed below)
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            code,
-            "serve",
-            str(ENTRY),
-            "--port",
-            str(port),
-            "--served-model-name",
-            "gemma3",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
+    server, base_url = launch_server(
+        ENTRY, tmp_path / "server.log", "--served-model-name", "gemma3", env=env, startup_timeout_s=120
     )
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
-        for _ in range(240):
-            try:
-                client.models.list()
-                break
-            except Exception:
-                if server.poll() is not None:
-                    raise AssertionError((tmp_path / "server.log").read_text()[-3000:]) from None
-                time.sleep(0.5)
+        client = OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
         reply = client.chat.completions.create(
             model="gemma3", messages=messages, max_tokens=16, temperature=0
@@ -143,10 +116,4 @@ def test_serve_answers_a_chat_request_with_the_chat_template(tmp_path: Path) -> 
         assert reply.choices[0].message.content.strip()
         print(f"chat reply: {reply.choices[0].message.content!r} ({reply.choices[0].finish_reason})")
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
+        stop_server(server)
