@@ -6,8 +6,9 @@ the sampler, the engine's own bookkeeping), and the forward further into its lea
 kernel, KV cache write, norms, rotary, embedding) by timing those calls; "python / other" is the forward's
 time outside them (module dispatch, splits/views, residual adds). With decode graphs (`--no-enforce-eager`)
 the forward is one number: its parts run inside compiled layers; with fused decode (the eager default for bf16
-/ W4A16 / W8A16 Llama layers, runtime/fused_decode.py; ASCQ_FUSED_DECODE=0 turns it off) a decode step's
-layers are one native call, "fused decode layers (native)". Prints a markdown table of ms per step (median
+/ W4A16 / W8A16 Llama and DeepSeek-MoE layers, runtime/worker/fused_decode.py; ASCQ_FUSED_DECODE=0 turns it
+off) a decode step's layers are one native call, "fused decode layers (native)" (a step it does not take
+counts its check there and its eager layers in their rows). Prints a markdown table of ms per step (median
 over steps).
 
     OMP_NUM_THREADS=2 python benchmarks/profile_step.py --model zoo/smollm2-135m-instruct --dtype float32 \\

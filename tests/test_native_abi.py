@@ -22,18 +22,20 @@ def defined_functions() -> set[str]:
     """Non-static ascq_* functions the .c files define."""
     names = set()
     for source in native.SOURCES:
-        names |= set(re.findall(r"^(?:int|void) (ascq_\w+)\([^;]*?\)\s*\{", source.read_text(), re.M | re.S))
+        names |= set(
+            re.findall(r"^(?:int|void|float) (ascq_\w+)\([^;]*?\)\s*\{", source.read_text(), re.M | re.S)
+        )
     return names
 
 
 def test_every_defined_function_is_declared_once_in_the_header():
-    declared = re.findall(r"^(?:ASCQ_API )?(?:int|void) (ascq_\w+)\(", HEADER, re.M)
+    declared = re.findall(r"^(?:ASCQ_API )?(?:int|void|float) (ascq_\w+)\(", HEADER, re.M)
     assert len(declared) == len(set(declared))
     assert defined_functions() == set(declared)
     for source in native.SOURCES:
         text = source.read_text()
         assert '#include "ascq_kernels.h"' in text, source.name
-        assert not re.search(r"^(?:int|void) ascq_\w+\([^{]*?\);", text, re.M | re.S), (
+        assert not re.search(r"^(?:int|void|float) ascq_\w+\([^{]*?\);", text, re.M | re.S), (
             f"{source.name} redeclares"
         )
         assert not re.search(r"\}\s*ascq_\w+;", text), f"{source.name} defines a header struct again"
@@ -45,9 +47,12 @@ def test_api_signatures_parse_from_the_header():
     assert api["ascq_cpu_features"] == (ctypes.c_int, [])
     assert api["ascq_group_quant_errors"][1][7:10] == [ctypes.c_float] * 3
     called = set(re.findall(r"lib\.(ascq_\w+)", Path(native.__file__).read_text()))
-    fused = set(
-        re.findall(r"\.(ascq_\w+)\(", (KERNELS.parent / "runtime" / "worker" / "fused_decode.py").read_text())
-    )
+    fused = {
+        name
+        for module in (KERNELS.parent / "runtime" / "worker").glob("fused_*.py")
+        for name in re.findall(r"\.(ascq_\w+)\(", module.read_text())
+    }
+    assert {"ascq_fused_decode", "ascq_moe_route"} <= fused
     assert called | fused <= set(api)
 
 
@@ -62,7 +67,11 @@ def test_fused_decode_structs_come_from_the_header():
     assert fields[:3] == ["num_layers", "hidden", "num_heads"] and fields[-2:] == ["layers", "final_norm"]
     linear = structs["ascq_fused_linear"]
     assert ctypes.sizeof(linear) == 6 * 4 + 4 * 8  # six ints then four pointers, as C lays them out on x86-64
-    assert dict(structs["ascq_fused_layer"]._fields_)["qkv"] is linear
+    layer = dict(structs["ascq_fused_layer"]._fields_)
+    assert layer["qkv"] is linear
+    assert layer["moe"] is ctypes.POINTER(structs["ascq_fused_moe"])  # a pointer to a header struct
+    moe = dict(structs["ascq_fused_moe"]._fields_)
+    assert moe["router"] is linear and moe["gate_up"] is moe["down"] is ctypes.POINTER(linear)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 // The ABI of ascq's native CPU kernels, declared once. Every .c file includes it; ascq/kernels/native.py reads the
 // ASCQ_API prototypes (its ctypes signatures) and the ascq_fused_* structs (runtime/worker/fused_decode.py's ctypes
 // structures) from this file, so a signature lives here and nowhere else. Types the Python side reads: int, float,
-// and pointers (any pointer is a void pointer to ctypes). The other prototypes are shared between the .c files.
+// and pointers (a void pointer to ctypes, or a POINTER to a struct declared here). The other prototypes are shared
+// between the .c files.
 #ifndef ASCQ_KERNELS_H
 #define ASCQ_KERNELS_H
 #include <stdint.h>
@@ -38,8 +39,14 @@ ASCQ_API int ascq_gptq_columns(float *w, int out, int block_rows, int first, int
 ASCQ_API int ascq_group_quant_errors(const float *x, const float *importance, int num_groups, int group_len,
                                      const float *scales, const float *zeros, int num_candidates, float q_min,
                                      float q_max, float norm, float *errors, int num_threads);
+// torch_cpu_ops.c: a MoE router's softmax + top-k as torch computes them on the CPU (kernels/reference.py
+// select_experts) from bf16 logits [num_rows, num_experts]; lanes: torch's fp32 vector width (8 or 16, its sum
+// order); top_k <= 17. weights fp32 and ids [num_rows, top_k], in torch.topk's order.
+ASCQ_API int ascq_moe_route(const uint16_t *logits, int num_rows, int num_experts, int top_k, int renormalize,
+                            int lanes, float *weights, int32_t *ids);
 
-// fused_decode.c: a Llama decoder stack's decode step in one call; the model is described by these tables.
+// fused_decode.c: a decoder stack's decode step in one call (Llama layers, DeepSeek-MoE blocks); the model is
+// described by these tables.
 typedef struct {
     int kind;  // 0: dense bf16 weight [n, k]; 4 or 8: weight-only bits (weight_only_mm.c layout)
     int n, k, group_size, scales_bf16, zeros_kind;
@@ -47,14 +54,22 @@ typedef struct {
     const float *bias;                    // may be NULL
 } ascq_fused_linear;
 
+typedef struct {  // a DeepSeek-MoE block: router, softmax top-k, routed experts, plus the shared experts' MLP
+    int num_experts, top_k, renormalize, lanes;  // lanes: as ascq_moe_route takes them
+    ascq_fused_linear router;                    // [num_experts, hidden]
+    const ascq_fused_linear *gate_up, *down;     // [num_experts] each: gate and up merged [2 * inter, hidden]; down
+    ascq_fused_linear shared_gate_up, shared_down;  // weight NULL: no shared experts
+} ascq_fused_moe;
+
 typedef struct {
-    ascq_fused_linear qkv, o, gate_up, down;
-    const uint16_t *input_norm, *post_norm;  // bf16 [hidden]
-    uint16_t *k_cache, *v_cache;             // bf16 [num_cache_blocks, block_size, num_kv_heads, head_dim]
+    ascq_fused_linear qkv, o, gate_up, down;  // gate_up, down: the dense MLP (unused with moe)
+    const ascq_fused_moe *moe;                // NULL: a dense MLP layer
+    const uint16_t *input_norm, *post_norm;   // bf16 [hidden]
+    uint16_t *k_cache, *v_cache;              // bf16 [num_cache_blocks, block_size, num_kv_heads, head_dim]
 } ascq_fused_layer;
 
 typedef struct {
-    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, num_cache_blocks;
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, block_size, num_cache_blocks;
     float eps, attn_scale;
     const uint16_t *silu_table;  // bf16 silu of every bf16 bit pattern
     const ascq_fused_layer *layers;
@@ -75,6 +90,9 @@ void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const floa
 int ascq_weight_only_shapes_ok(int bits, int k, int group_size);
 int ascq_weight_only_chunk_columns(int n, int num_threads);
 void ascq_bf16_columns(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int j0, int j1);
+float ascq_torch_sum(const float *x, int n, int squares);
+int ascq_moe_route_rows(const uint16_t *logits, int num_rows, int num_experts, int top_k, int renormalize, int lanes,
+                        float *scratch, float *weights, int32_t *ids);
 int ascq_attention_heads_per_task(int num_seqs, int num_heads, int num_threads);
 void ascq_attend_task(int task, int heads_per_task, const float *query, const void *k_cache, const void *v_cache,
                       int dtype, const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int num_heads,

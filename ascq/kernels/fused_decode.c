@@ -1,15 +1,21 @@
-// A whole Llama decoder stack for one decode step (one token per sequence) in one call and one OpenMP region,
-// compiled with the other kernels by ascq/kernels/native.py; driven by ascq/runtime/fused_decode.py.
+// A whole decoder stack for one decode step (one token per sequence) in one call and one OpenMP region, compiled
+// with the other kernels by ascq/kernels/native.py; driven by ascq/runtime/worker/fused_decode.py.
 //
-// Why it exists: at batch 1 a small model's eager layer is a few dozen torch ops and native calls from Python,
-// which cost several times what streaming its int4 weights costs, so dispatch, not arithmetic, sets the step time. Here every layer runs rmsnorm -> qkv -> rotary -> paged KV write -> paged decode attention -> o_proj +
-// residual -> rmsnorm -> gate_up -> silu * up -> down with the same kernels (weight_only_mm.c, bf16_mm.c,
-// paged_decode_attention.c) and the eager path's bf16 rounding points, so its results are the eager path's:
-//   norms: torch's F.rms_norm on fp32 (squares summed in torch's order, see sum_squares), rounded to bf16, times
+// Why it exists: at batch 1 a small model's eager layer is a few dozen torch ops and native calls from Python, which
+// cost several times what streaming its int4 weights costs, so dispatch, not arithmetic, sets the step time. Here
+// every layer runs rmsnorm -> qkv -> rotary -> paged KV write -> paged decode attention -> o_proj + residual ->
+// rmsnorm -> an MLP with the same kernels (weight_only_mm.c, bf16_mm.c, paged_decode_attention.c) and the eager
+// path's bf16 rounding points, so its results are the eager path's:
+//   norms: torch's F.rms_norm on fp32 (squares summed in torch's order, ascq_torch_sum), rounded to bf16, times
 //     the bf16 weight, rounded; residual adds and the rotary's products and sum rounded to bf16 after each op;
 //   linears: the kernels' fp32 result (+ fp32 bias), rounded to bf16; dense bf16 weights see x converted to fp32;
 //   silu: a table of torch's own bf16 silu for all 65536 inputs (built by the caller), then * up rounded to bf16;
 //   attention: the native kernel on the fp32 query, rounded to bf16.
+// The MLP is a Llama MLP (gate_up -> silu * up -> down), or a DeepSeek-MoE block (runtime/models/deepseek.py, the
+// cpu backend's kernels/moe.py): the router's bf16 logits, torch's softmax + top-k (torch_cpu_ops.c); each chosen
+// expert runs a Llama MLP on the rows routed to it (gathered in row order, one kernel call per expert as eager);
+// each row's expert outputs times their weights are summed in fp32 in increasing expert order from 0 (eager's
+// index_add_), rounded to bf16, plus the shared experts' MLP output, rounded.
 // Only bf16 activations and a bf16 KV cache; the caller checks everything else (and falls back to eager).
 #include <immintrin.h>
 #include <math.h>
@@ -53,50 +59,10 @@ static void to_bf16(const float *x, uint16_t *out, long n) {
     for (; i < n; i++) out[i] = f32_to_bf16(x[i]);
 }
 
-// Sum of x[i]^2 in the order of torch's CPU sum of a contiguous fp32 row (SumKernel.cpp: 8-lane vectors, 4 of them
-// side by side, cascaded every 16 rows of 4, then the 4 combined, the scalar tail, the 8 lanes in order).
-static float sum_squares(const float *x, int n) {
-    enum { LANES = 8, ILP = 4, LEVELS = 4 };
-    int num_vecs = n / LANES, num_rows = num_vecs / ILP;
-    int ceil_log2 = 0;
-    while ((1L << ceil_log2) < num_rows) ceil_log2++;
-    int level_power = ceil_log2 / LEVELS > 4 ? ceil_log2 / LEVELS : 4;
-    long level_step = 1L << level_power, level_mask = level_step - 1;
-    float acc[LEVELS][ILP][LANES] = {{{0}}};
-    long i = 0;
-#define ADD_ROW(dst, row)                                                                                            \
-    for (int k = 0; k < ILP; k++)                                                                                   \
-        for (int l = 0; l < LANES; l++) {                                                                           \
-            float v = x[((row)*ILP + k) * LANES + l];                                                               \
-            dst[k][l] += v * v;                                                                                     \
-        }
-    while (i + level_step <= num_rows) {
-        for (long j = 0; j < level_step; j++, i++) ADD_ROW(acc[0], i);
-        for (int j = 1; j < LEVELS; j++) {
-            for (int k = 0; k < ILP; k++)
-                for (int l = 0; l < LANES; l++) acc[j][k][l] += acc[j - 1][k][l], acc[j - 1][k][l] = 0.f;
-            if ((i & (level_mask << (j * level_power))) != 0) break;
-        }
-    }
-    for (; i < num_rows; i++) ADD_ROW(acc[0], i);
-#undef ADD_ROW
-    for (int j = 1; j < LEVELS; j++)
-        for (int k = 0; k < ILP; k++)
-            for (int l = 0; l < LANES; l++) acc[0][k][l] += acc[j][k][l];
-    for (int v = num_rows * ILP; v < num_vecs; v++)
-        for (int l = 0; l < LANES; l++) acc[0][0][l] += x[v * LANES + l] * x[v * LANES + l];
-    for (int k = 1; k < ILP; k++)
-        for (int l = 0; l < LANES; l++) acc[0][0][l] += acc[0][k][l];
-    float total = 0.f;
-    for (int t = num_vecs * LANES; t < n; t++) total += x[t] * x[t];
-    for (int l = 0; l < LANES; l++) total += acc[0][0][l];
-    return total;
-}
-
 // bf16(weight * bf16(rms_norm(fp32 x))) for one row; scratch: n floats.
 static void rms_norm_row(const uint16_t *x, const uint16_t *weight, int n, float eps, float *scratch, uint16_t *out) {
     to_f32(x, scratch, n);
-    float mean = sum_squares(scratch, n) / (float)n;
+    float mean = ascq_torch_sum(scratch, n, 1) / (float)n;
     float r = 1.f / sqrtf(mean + eps);
     int i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -112,7 +78,7 @@ typedef struct {  // a linear's input as its kernel wants it
     float *xscale, *xf;
 } linear_input;
 
-static void prepare_input(const ascq_fused_linear *p, const uint16_t *x, int num_rows, linear_input *in) {
+static void prepare_input(const ascq_fused_linear *p, const uint16_t *x, int num_rows, const linear_input *in) {
     if (p->kind == 0) {
         to_f32(x, in->xf, (long)num_rows * p->k);
     } else {
@@ -120,23 +86,62 @@ static void prepare_input(const ascq_fused_linear *p, const uint16_t *x, int num
     }
 }
 
-// The output columns in chunks taken by whichever thread is free (on a shared machine a thread may be descheduled
-// for a while; each column's result does not depend on the split), with the worksharing loop's barrier at the end.
+// `base`'s buffers from row `first` on, rows laid out as p's input.
+static linear_input input_rows(const linear_input *base, const ascq_fused_linear *p, int first) {
+    size_t groups = p->kind == 0 ? 0 : (size_t)(p->k / p->group_size);
+    return (linear_input){base->xq + (size_t)first * p->k, base->xsum + first * groups, base->xscale + first,
+                          base->xf + (size_t)first * p->k};
+}
+
+typedef struct {  // one linear's product over some rows
+    const ascq_fused_linear *p;
+    linear_input in;
+    int num_rows;
+    float *y;  // fp32 [num_rows, p->n]
+} linear_task;
+
 // Weight-only chunks as ascq_weight_only_mm splits them (long contiguous runs of weights).
 #define BF16_CHUNK_COLUMNS 64
-static void linear_columns(const ascq_fused_linear *p, const linear_input *in, int num_rows, float *y) {
-    int chunk_columns =
-        p->kind == 0 ? BF16_CHUNK_COLUMNS : ascq_weight_only_chunk_columns(p->n, omp_get_num_threads());
-    int num_chunks = (p->n + chunk_columns - 1) / chunk_columns;
+static int chunk_columns(const ascq_fused_linear *p, int num_threads) {
+    return p->kind == 0 ? BF16_CHUNK_COLUMNS : ascq_weight_only_chunk_columns(p->n, num_threads);
+}
+
+// Output columns [j0, j1) of a task's product.
+static void task_columns(const linear_task *task, int j0, int j1) {
+    const ascq_fused_linear *p = task->p;
+    if (p->kind == 0)
+        ascq_bf16_columns(task->in.xf, p->weight, task->y, task->num_rows, p->n, p->k, j0, j1);
+    else
+        ascq_weight_only_columns(task->in.xq, task->in.xsum, task->in.xscale, p->weight, p->kind, p->scales,
+                                 p->scales_bf16, p->zeros, p->zeros_kind, task->y, task->num_rows, p->n, p->k,
+                                 p->group_size, j0, j1);
+}
+
+// The output columns of the tasks' linears in chunks taken by whichever thread is free (on a shared machine a
+// thread may be descheduled for a while; each column's result does not depend on the split), with the worksharing
+// loop's barrier at the end.
+static void linear_columns(const linear_task *tasks, int num_tasks) {
+    int num_threads = omp_get_num_threads(), num_chunks = 0;
+    for (int t = 0; t < num_tasks; t++) {
+        int columns = chunk_columns(tasks[t].p, num_threads);
+        num_chunks += (tasks[t].p->n + columns - 1) / columns;
+    }
 #pragma omp for schedule(dynamic)
     for (int c = 0; c < num_chunks; c++) {
-        int j0 = c * chunk_columns, j1 = j0 + chunk_columns < p->n ? j0 + chunk_columns : p->n;
-        if (p->kind == 0)
-            ascq_bf16_columns(in->xf, p->weight, y, num_rows, p->n, p->k, j0, j1);
-        else
-            ascq_weight_only_columns(in->xq, in->xsum, in->xscale, p->weight, p->kind, p->scales, p->scales_bf16,
-                                     p->zeros, p->zeros_kind, y, num_rows, p->n, p->k, p->group_size, j0, j1);
+        const linear_task *task = tasks;
+        int columns = chunk_columns(task->p, num_threads), chunk = c;
+        for (int chunks; chunk >= (chunks = (task->p->n + columns - 1) / columns);) {
+            chunk -= chunks, task++;
+            columns = chunk_columns(task->p, num_threads);
+        }
+        int j0 = chunk * columns;
+        task_columns(task, j0, j0 + columns < task->p->n ? j0 + columns : task->p->n);
     }
+}
+
+static void one_linear(const ascq_fused_linear *p, const linear_input *in, int num_rows, float *y) {
+    linear_task task = {p, *in, num_rows, y};
+    linear_columns(&task, 1);
 }
 
 static void linear_output(const ascq_fused_linear *p, float *y, int num_rows, uint16_t *out) {
@@ -150,6 +155,11 @@ static int linear_ok(const ascq_fused_linear *p, int n, int k) {
     if (p->n != n || p->k != k || !p->weight) return 0;
     if (p->kind == 0) return k % 16 == 0;
     return ascq_weight_only_shapes_ok(p->kind, k, p->group_size) && p->scales;
+}
+
+// A Llama MLP's gate_up [2 * inter, hidden] and down [hidden, inter].
+static int mlp_ok(const ascq_fused_linear *gate_up, const ascq_fused_linear *down, int hidden) {
+    return linear_ok(gate_up, 2 * down->k, hidden) && linear_ok(down, hidden, down->k);
 }
 
 // bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)) over heads [num_heads, head_dim] of one row, in place.
@@ -186,6 +196,33 @@ static void silu_mul(const uint16_t *gate, const uint16_t *up, const uint16_t *s
     for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(silu_table[gate[i]]) * bf16_to_f32(up[i]));
 }
 
+// A Llama MLP's middle: its gate_up result y (fp32 [rows, 2 * inter]) -> bf16 -> silu(gate) * up (into h) -> down's
+// input. act: bf16 [rows, 2 * inter] scratch.
+static void mlp_middle(const ascq_fused_linear *gate_up, const ascq_fused_linear *down, const uint16_t *silu_table,
+                       float *y, int num_rows, uint16_t *act, uint16_t *h, const linear_input *down_in) {
+    int inter = down->k;
+    linear_output(gate_up, y, num_rows, act);
+    for (int b = 0; b < num_rows; b++) {
+        const uint16_t *gate = act + (size_t)b * 2 * inter;
+        silu_mul(gate, gate + inter, silu_table, inter, h + (size_t)b * inter);
+    }
+    prepare_input(down, h, num_rows, down_in);
+}
+
+static int moe_ok(const ascq_fused_moe *moe, int hidden) {
+    if (moe->num_experts < 1 || moe->top_k < 1 || moe->top_k > 17 || moe->top_k > moe->num_experts ||
+        (moe->lanes != 8 && moe->lanes != 16) || !linear_ok(&moe->router, moe->num_experts, hidden) ||
+        !moe->gate_up || !moe->down)
+        return 0;
+    for (int e = 0; e < moe->num_experts; e++) {
+        const ascq_fused_linear *gate_up = &moe->gate_up[e], *down = &moe->down[e];
+        if (!mlp_ok(gate_up, down, hidden) || gate_up->kind != moe->gate_up[0].kind ||
+            gate_up->group_size != moe->gate_up[0].group_size || down->k != moe->down[0].k)
+            return 0;
+    }
+    return !moe->shared_gate_up.weight || mlp_ok(&moe->shared_gate_up, &moe->shared_down, hidden);
+}
+
 // Checks every layer's shapes and the step's cache addresses; 0 when all are valid.
 static int check_step(const ascq_fused_model *m, int num_rows, const int64_t *slot_mapping,
                       const int32_t *block_tables, int max_blocks, const int32_t *seq_lens) {
@@ -195,8 +232,8 @@ static int check_step(const ascq_fused_model *m, int num_rows, const int64_t *sl
     for (int l = 0; l < m->num_layers; l++) {
         const ascq_fused_layer *L = &m->layers[l];
         if (!linear_ok(&L->qkv, q_size + 2 * kv_size, m->hidden) || !linear_ok(&L->o, m->hidden, q_size) ||
-            !linear_ok(&L->gate_up, 2 * m->intermediate, m->hidden) ||
-            !linear_ok(&L->down, m->hidden, m->intermediate) || !L->k_cache || !L->v_cache)
+            !(L->moe ? moe_ok(L->moe, m->hidden) : mlp_ok(&L->gate_up, &L->down, m->hidden)) || !L->k_cache ||
+            !L->v_cache)
             return -1;
     }
     long num_slots = (long)m->num_cache_blocks * m->block_size;
@@ -211,6 +248,211 @@ static int check_step(const ascq_fused_model *m, int num_rows, const int64_t *sl
     return 0;
 }
 
+typedef struct {  // the sizes a step's buffers are allocated for
+    int widest;       // the widest linear input or output
+    int max_experts;  // the most routed experts of a MoE block (0: none)
+    int max_top_k;
+} extents;
+
+static int wider(int a, int b) { return a > b ? a : b; }
+
+static int linear_width(const ascq_fused_linear *p) { return wider(p->n, p->k); }
+
+static extents extents_of(const ascq_fused_model *m) {
+    extents x = {m->hidden, 0, 0};
+    for (int l = 0; l < m->num_layers; l++) {
+        const ascq_fused_layer *L = &m->layers[l];
+        const ascq_fused_moe *moe = L->moe;
+        x.widest = wider(x.widest, wider(linear_width(&L->qkv), linear_width(&L->o)));
+        if (!moe) {
+            x.widest = wider(x.widest, wider(linear_width(&L->gate_up), linear_width(&L->down)));
+            continue;
+        }
+        x.widest = wider(x.widest, wider(linear_width(&moe->router), linear_width(&moe->gate_up[0])));
+        if (moe->shared_gate_up.weight) x.widest = wider(x.widest, linear_width(&moe->shared_gate_up));
+        x.max_experts = wider(x.max_experts, moe->num_experts);
+        x.max_top_k = wider(x.max_top_k, moe->top_k);
+    }
+    return x;
+}
+
+static void *alloc_array(size_t count, size_t size, int *failed) {
+    void *p = malloc(count * size + 1);
+    *failed |= !p;
+    return p;
+}
+
+static void alloc_input(linear_input *in, size_t rows, int widest, int *failed) {
+    in->xq = alloc_array(rows * widest, sizeof(int16_t), failed);
+    in->xsum = alloc_array(rows * (widest / 32 + 1), sizeof(int32_t), failed);
+    in->xscale = alloc_array(rows, sizeof(float), failed);
+    in->xf = alloc_array(rows * widest, sizeof(float), failed);
+}
+
+static void free_input(linear_input *in) { free(in->xq), free(in->xsum), free(in->xscale), free(in->xf); }
+
+typedef struct {  // a MoE block's step: one slot per (row, chosen expert), grouped by expert in increasing order
+    uint16_t *x, *act;  // bf16 [slots, widest]: an expert linear's input, output
+    float *y;           // fp32 [slots, widest]
+    linear_input in;    // [slots, widest]
+    int *row;           // [slots]: the row a slot is for (increasing within an expert)
+    float *weight;      // [slots]: its routing weight
+    int *first;         // [max_experts]: an expert's first slot
+    float *acc;         // fp32 [rows, hidden]: the weighted sum of a row's experts
+    uint16_t *logits;   // bf16 [rows, max_experts]
+    float *route_scratch, *route_weights;  // 4 * max_experts; [rows, top_k]
+    int32_t *route_ids;                    // [rows, top_k]
+    // [slots + 1]: the chosen experts' products (num_routed, their first slots), then the shared experts'
+    linear_task *gate_up, *down;
+    int *task_first;
+    int num_routed, num_tasks;
+} moe_step;
+
+typedef struct {  // one step's buffers
+    uint16_t *h, *act;  // bf16 [rows, widest]: a linear's input, output
+    float *y;           // fp32 [rows, widest]
+    linear_input in;    // [rows, widest]
+    float *query, *attn;
+    float *scratch;  // widest + head_dim
+    moe_step moe;
+} step_buffers;
+
+static int alloc_step(step_buffers *s, const ascq_fused_model *m, extents x, int num_rows) {
+    size_t rows = (size_t)num_rows, q_size = (size_t)m->num_heads * m->head_dim;
+    size_t slots = rows * x.max_top_k, experts = x.max_experts;
+    int failed = 0;
+    s->h = alloc_array(rows * x.widest, sizeof(uint16_t), &failed);
+    s->act = alloc_array(rows * x.widest, sizeof(uint16_t), &failed);
+    s->y = alloc_array(rows * x.widest, sizeof(float), &failed);
+    alloc_input(&s->in, rows, x.widest, &failed);
+    s->query = alloc_array(rows * q_size, sizeof(float), &failed);
+    s->attn = alloc_array(rows * q_size, sizeof(float), &failed);
+    s->scratch = alloc_array(x.widest + m->head_dim, sizeof(float), &failed);
+    moe_step *e = &s->moe;
+    e->x = alloc_array(slots * x.widest, sizeof(uint16_t), &failed);
+    e->act = alloc_array(slots * x.widest, sizeof(uint16_t), &failed);
+    e->y = alloc_array(slots * x.widest, sizeof(float), &failed);
+    alloc_input(&e->in, slots, x.widest, &failed);
+    e->row = alloc_array(slots, sizeof(int), &failed);
+    e->weight = alloc_array(slots, sizeof(float), &failed);
+    e->first = alloc_array(experts, sizeof(int), &failed);
+    e->acc = alloc_array(rows * m->hidden, sizeof(float), &failed);
+    e->logits = alloc_array(rows * experts, sizeof(uint16_t), &failed);
+    e->route_scratch = alloc_array(4 * experts, sizeof(float), &failed);
+    e->route_weights = alloc_array(slots, sizeof(float), &failed);
+    e->route_ids = alloc_array(slots, sizeof(int32_t), &failed);
+    e->gate_up = alloc_array(slots + 1, sizeof(linear_task), &failed);
+    e->down = alloc_array(slots + 1, sizeof(linear_task), &failed);
+    e->task_first = alloc_array(slots + 1, sizeof(int), &failed);
+    return failed ? -1 : 0;
+}
+
+static void free_step(step_buffers *s) {
+    moe_step *e = &s->moe;
+    free(s->h), free(s->act), free(s->y), free_input(&s->in), free(s->query), free(s->attn), free(s->scratch);
+    free(e->x), free(e->act), free(e->y), free_input(&e->in), free(e->row), free(e->weight), free(e->first);
+    free(e->acc), free(e->logits), free(e->route_scratch), free(e->route_weights), free(e->route_ids);
+    free(e->gate_up), free(e->down), free(e->task_first);
+}
+
+// One thread, the block's input in s->h: the router's logits -> the rows each expert takes (slots) -> each chosen
+// expert's input gathered and prepared, the shared experts' input prepared, the products' task lists.
+static void moe_route(const ascq_fused_moe *moe, int hidden, int num_rows, step_buffers *s) {
+    moe_step *e = &s->moe;
+    int k = moe->top_k, num_slots = num_rows * k;
+    linear_task router = {&moe->router, s->in, num_rows, s->y};
+    prepare_input(&moe->router, s->h, num_rows, &s->in);
+    task_columns(&router, 0, moe->router.n);  // a few columns: one thread
+    linear_output(&moe->router, s->y, num_rows, e->logits);
+    ascq_moe_route_rows(e->logits, num_rows, moe->num_experts, k, moe->renormalize, moe->lanes, e->route_scratch,
+                        e->route_weights, e->route_ids);
+    memset(e->first, 0, sizeof(int) * moe->num_experts);
+    for (int i = 0; i < num_slots; i++) e->first[e->route_ids[i]]++;
+    for (int x = 0, end = 0; x < moe->num_experts; x++) end += e->first[x], e->first[x] = end;  // each one's end
+    for (int i = num_slots - 1; i >= 0; i--) {  // from the end back to each one's first: rows in increasing order
+        int slot = --e->first[e->route_ids[i]];
+        e->row[slot] = i / k, e->weight[slot] = e->route_weights[i];
+    }
+    int t = 0;
+    for (int x = 0; x < moe->num_experts; x++) {
+        int first = e->first[x], rows = (x + 1 < moe->num_experts ? e->first[x + 1] : num_slots) - first;
+        if (!rows) continue;
+        const ascq_fused_linear *gate_up = &moe->gate_up[x], *down = &moe->down[x];
+        for (int slot = first; slot < first + rows; slot++)
+            memcpy(e->x + (size_t)slot * hidden, s->h + (size_t)e->row[slot] * hidden, sizeof(uint16_t) * hidden);
+        linear_input in = input_rows(&e->in, gate_up, first);
+        prepare_input(gate_up, e->x + (size_t)first * hidden, rows, &in);
+        e->gate_up[t] = (linear_task){gate_up, in, rows, e->y + (size_t)first * gate_up->n};
+        e->down[t] = (linear_task){down, input_rows(&e->in, down, first), rows, e->y + (size_t)first * down->n};
+        e->task_first[t++] = first;
+    }
+    e->num_routed = e->num_tasks = t;
+    if (moe->shared_gate_up.weight) {
+        prepare_input(&moe->shared_gate_up, s->h, num_rows, &s->in);
+        e->gate_up[t] = (linear_task){&moe->shared_gate_up, s->in, num_rows, s->y};
+        e->down[t] = (linear_task){&moe->shared_down, s->in, num_rows, s->y};
+        e->num_tasks++;
+    }
+}
+
+// One thread: out = bf16(bf16(each row's expert outputs (bf16) * their weights, summed in fp32 from 0 in increasing
+// expert order) + the shared experts' output (bf16)).
+static void moe_sum(const ascq_fused_moe *moe, int hidden, int num_rows, step_buffers *s, uint16_t *out) {
+    moe_step *e = &s->moe;
+    memset(e->acc, 0, sizeof(float) * num_rows * hidden);
+    for (int t = 0; t < e->num_routed; t++) {
+        const linear_task *down = &e->down[t];
+        uint16_t *values = e->act + (size_t)e->task_first[t] * hidden;
+        linear_output(down->p, down->y, down->num_rows, values);
+        for (int r = 0; r < down->num_rows; r++) {
+            int slot = e->task_first[t] + r;
+            float *acc = e->acc + (size_t)e->row[slot] * hidden;
+            const uint16_t *v = values + (size_t)r * hidden;
+            __m256 w = _mm256_set1_ps(e->weight[slot]);
+            int j = 0;
+            for (; j + 8 <= hidden; j += 8)
+                _mm256_storeu_ps(acc + j, _mm256_add_ps(_mm256_loadu_ps(acc + j),
+                                                        _mm256_mul_ps(bf16x8_to_f32(v + j), w)));
+            for (; j < hidden; j++) acc[j] += bf16_to_f32(v[j]) * e->weight[slot];
+        }
+    }
+    to_bf16(e->acc, out, (long)num_rows * hidden);
+    if (moe->shared_gate_up.weight) {
+        linear_output(&moe->shared_down, s->y, num_rows, s->act);
+        add_residual(s->act, out, (long)num_rows * hidden);
+    }
+}
+
+// All threads, after moe_route: the chosen experts' and the shared experts' MLPs, their products' columns shared
+// out together, then moe_sum into out.
+static void moe_experts(const ascq_fused_moe *moe, const uint16_t *silu_table, int hidden, int num_rows,
+                        step_buffers *s, uint16_t *out) {
+    moe_step *e = &s->moe;
+    linear_columns(e->gate_up, e->num_tasks);
+#pragma omp for schedule(dynamic)
+    for (int t = 0; t < e->num_tasks; t++) {
+        const linear_task *gate_up = &e->gate_up[t], *down = &e->down[t];
+        size_t first = t < e->num_routed ? e->task_first[t] : 0;
+        uint16_t *act = t < e->num_routed ? e->act + first * gate_up->p->n : s->act;
+        uint16_t *h = t < e->num_routed ? e->x + first * down->p->k : s->h;
+        mlp_middle(gate_up->p, down->p, silu_table, gate_up->y, gate_up->num_rows, act, h, &down->in);
+    }
+    linear_columns(e->down, e->num_tasks);
+#pragma omp single
+    moe_sum(moe, hidden, num_rows, s, out);
+}
+
+// All threads: a Llama MLP of s->h (its input prepared in s->in) into out.
+static void dense_mlp(const ascq_fused_layer *L, const uint16_t *silu_table, int num_rows, step_buffers *s,
+                      uint16_t *out) {
+    one_linear(&L->gate_up, &s->in, num_rows, s->y);
+#pragma omp single
+    mlp_middle(&L->gate_up, &L->down, silu_table, s->y, num_rows, s->act, s->h, &s->in);
+    one_linear(&L->down, &s->in, num_rows, s->y);
+#pragma omp single
+    linear_output(&L->down, s->y, num_rows, out);
+}
+
 // One decode step through every layer and the final norm. x bf16 [M, hidden]: in, the embeddings; out, the final
 // hidden states (the final norm of the last layer's output plus its residual stream). residual: scratch [M, hidden].
 // cos, sin bf16 [M, head_dim] of each row's position. slot_mapping [M], block_tables int32 [M, max_blocks],
@@ -219,26 +461,14 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
                       const int64_t *slot_mapping, const int32_t *block_tables, int max_blocks,
                       const int32_t *seq_lens, const uint16_t *cos, const uint16_t *sin, int num_threads) {
     if (num_threads < 1 || check_step(m, num_rows, slot_mapping, block_tables, max_blocks, seq_lens)) return -1;
-    int hidden = m->hidden, inter = m->intermediate, head_dim = m->head_dim;
+    int hidden = m->hidden, head_dim = m->head_dim;
     int q_size = m->num_heads * head_dim, kv_size = m->num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     int max_len = 0;
     int heads_per_task = ascq_attention_heads_per_task(num_rows, m->num_heads, num_threads);
     for (int b = 0; b < num_rows; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    int widest = qkv_size > 2 * inter ? qkv_size : 2 * inter;
-    widest = widest > hidden ? widest : hidden;
     size_t rows = (size_t)num_rows;
-    uint16_t *h = malloc(sizeof(uint16_t) * rows * widest);  // a linear's bf16 input
-    uint16_t *act = malloc(sizeof(uint16_t) * rows * widest);  // a linear's bf16 output
-    float *y = malloc(sizeof(float) * rows * widest);
-    float *xf = malloc(sizeof(float) * rows * widest);
-    int16_t *xq = malloc(sizeof(int16_t) * rows * widest);
-    int32_t *xsum = malloc(sizeof(int32_t) * rows * (widest / 32 + 1));
-    float *xscale = malloc(sizeof(float) * rows);
-    float *query = malloc(sizeof(float) * rows * q_size);
-    float *attn = malloc(sizeof(float) * rows * q_size);
-    float *scratch = malloc(sizeof(float) * (widest + head_dim));
-    int failed = !h || !act || !y || !xf || !xq || !xsum || !xscale || !query || !attn || !scratch;
-    linear_input in = {xq, xsum, xscale, xf};
+    step_buffers s;
+    int failed = alloc_step(&s, m, extents_of(m), num_rows);
     if (!failed) {
 #pragma omp parallel num_threads(num_threads)
         {
@@ -256,65 +486,59 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
                     else
                         add_residual(x, residual, (long)rows * hidden);
                     for (int b = 0; b < num_rows; b++)
-                        rms_norm_row(residual + b * hidden, L->input_norm, hidden, m->eps, scratch, h + b * hidden);
-                    prepare_input(&L->qkv, h, num_rows, &in);
+                        rms_norm_row(residual + b * hidden, L->input_norm, hidden, m->eps, s.scratch, s.h + b * hidden);
+                    prepare_input(&L->qkv, s.h, num_rows, &s.in);
                 }
-                linear_columns(&L->qkv, &in, num_rows, y);
+                one_linear(&L->qkv, &s.in, num_rows, s.y);
 #pragma omp single
                 {
-                    linear_output(&L->qkv, y, num_rows, act);
+                    linear_output(&L->qkv, s.y, num_rows, s.act);
                     for (int b = 0; b < num_rows; b++) {
-                        uint16_t *row = act + (size_t)b * qkv_size;
+                        uint16_t *row = s.act + (size_t)b * qkv_size;
                         rotate_row(row, m->num_heads + m->num_kv_heads, head_dim, cos + (size_t)b * head_dim,
-                                   sin + (size_t)b * head_dim, (uint16_t *)scratch);
+                                   sin + (size_t)b * head_dim, (uint16_t *)s.scratch);
                         size_t slot = (size_t)slot_mapping[b] * kv_size;
                         memcpy(L->k_cache + slot, row + q_size, sizeof(uint16_t) * kv_size);
                         memcpy(L->v_cache + slot, row + q_size + kv_size, sizeof(uint16_t) * kv_size);
-                        to_f32(row, query + (size_t)b * q_size, q_size);
+                        to_f32(row, s.query + (size_t)b * q_size, q_size);
                     }
                 }
 #pragma omp for schedule(dynamic)
                 for (int task = 0; task < num_rows * (m->num_heads / heads_per_task); task++)
-                    ascq_attend_task(task, heads_per_task, query, L->k_cache, L->v_cache, 1, block_tables, max_blocks,
-                                     seq_lens, m->num_heads, m->num_kv_heads, head_dim, m->block_size,
-                                     m->attn_scale, 1.f, 1.f, NULL, scores, attn);
+                    ascq_attend_task(task, heads_per_task, s.query, L->k_cache, L->v_cache, 1, block_tables,
+                                     max_blocks, seq_lens, m->num_heads, m->num_kv_heads, head_dim, m->block_size,
+                                     m->attn_scale, 1.f, 1.f, NULL, scores, s.attn);
 #pragma omp single
                 {
-                    to_bf16(attn, h, (long)rows * q_size);
-                    prepare_input(&L->o, h, num_rows, &in);
+                    to_bf16(s.attn, s.h, (long)rows * q_size);
+                    prepare_input(&L->o, s.h, num_rows, &s.in);
                 }
-                linear_columns(&L->o, &in, num_rows, y);
+                one_linear(&L->o, &s.in, num_rows, s.y);
 #pragma omp single
                 {
-                    linear_output(&L->o, y, num_rows, act);
-                    add_residual(act, residual, (long)rows * hidden);
+                    linear_output(&L->o, s.y, num_rows, s.act);
+                    add_residual(s.act, residual, (long)rows * hidden);
                     for (int b = 0; b < num_rows; b++)
-                        rms_norm_row(residual + b * hidden, L->post_norm, hidden, m->eps, scratch, h + b * hidden);
-                    prepare_input(&L->gate_up, h, num_rows, &in);
+                        rms_norm_row(residual + b * hidden, L->post_norm, hidden, m->eps, s.scratch, s.h + b * hidden);
+                    if (L->moe)
+                        moe_route(L->moe, hidden, num_rows, &s);
+                    else
+                        prepare_input(&L->gate_up, s.h, num_rows, &s.in);
                 }
-                linear_columns(&L->gate_up, &in, num_rows, y);
-#pragma omp single
-                {
-                    linear_output(&L->gate_up, y, num_rows, act);
-                    for (int b = 0; b < num_rows; b++) {
-                        const uint16_t *gate = act + (size_t)b * 2 * inter;
-                        silu_mul(gate, gate + inter, m->silu_table, inter, h + (size_t)b * inter);
-                    }
-                    prepare_input(&L->down, h, num_rows, &in);
-                }
-                linear_columns(&L->down, &in, num_rows, y);
-#pragma omp single
-                linear_output(&L->down, y, num_rows, x);
+                if (L->moe)
+                    moe_experts(L->moe, m->silu_table, hidden, num_rows, &s, x);
+                else
+                    dense_mlp(L, m->silu_table, num_rows, &s, x);
             }
 #pragma omp single
             if (!failed) {
                 add_residual(x, residual, (long)rows * hidden);
                 for (int b = 0; b < num_rows; b++)
-                    rms_norm_row(residual + b * hidden, m->final_norm, hidden, m->eps, scratch, x + b * hidden);
+                    rms_norm_row(residual + b * hidden, m->final_norm, hidden, m->eps, s.scratch, x + b * hidden);
             }
             free(scores);
         }
     }
-    free(h), free(act), free(y), free(xf), free(xq), free(xsum), free(xscale), free(query), free(attn), free(scratch);
+    free_step(&s);
     return failed ? -1 : 0;
 }

@@ -1,6 +1,7 @@
 """ascq's native CPU kernels (weight_only_mm.c: W4A16 / W8A16 matmul; bf16_mm.c: bf16-weight matmul for small
-M; paged_decode_attention.c; fused_decode.c: a Llama decoder stack's decode step in one call), compiled with
-the system C compiler on first use into one shared library and loaded via ctypes.
+M; paged_decode_attention.c; fused_decode.c: a decoder stack's decode step in one call; torch_cpu_ops.c: the
+torch reductions and MoE routing it reproduces), compiled with the system C compiler on first use into one
+shared library and loaded via ctypes.
 
 No torch headers are needed (the kernels take raw pointers), so a compile takes about a second. The shared
 object is cached under $ASCQ_CACHE_DIR (default ~/.cache/ascq/kernels), named by a hash of source, flags and
@@ -46,6 +47,7 @@ SOURCES = [
         "paged_decode_attention.c",
         "bf16_mm.c",
         "fused_decode.c",
+        "torch_cpu_ops.c",
         "gptq_columns.c",
         "group_quant_error.c",
     )

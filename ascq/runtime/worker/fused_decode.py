@@ -1,18 +1,20 @@
-"""Fused decode (CPU): a pure decode step's whole Llama decoder stack in one native call
+"""Fused decode (CPU): a pure decode step's whole decoder stack in one native call
 (ascq/kernels/fused_decode.c).
 
 Why: at batch 1 an eager layer of a small model is a few dozen torch ops and native calls from Python, which
-cost several times what streaming its int4 weights costs; in one call the step's layers cost what their
-kernels cost (measurements: docs/benchmarks.md). The C code runs the eager path's kernels and rounds to bf16
-where eager does, so tokens are the eager path's (tests/test_fused_decode.py).
+cost several times what streaming its int4 weights costs (a DeepSeek-MoE layer: a few hundred, its routed
+experts grouped in Python); in one call the step's layers cost what their kernels cost (measurements:
+docs/benchmarks.md). The C code runs the eager path's kernels and rounds to bf16 where eager does, so tokens
+are the eager path's (tests/test_fused_decode.py, tests/test_fused_decode_moe.py).
 
 Used for a step when all of these hold, else the step runs eagerly, unchanged:
-- the model: `DecoderModel` of `DecoderLayer`s with `LlamaMLP` (Llama, Mistral, Qwen2), one rank, the cpu
-  backend with its native library, bf16 activations and KV cache, every linear on the native weight-only
-  kernel (W4A16 / W8A16) or the native bf16 kernel (dense bf16);
+- the model: `DecoderModel` of `DecoderLayer`s whose MLP is a `LlamaMLP` (Llama, Mistral, Qwen2) or a
+  `DeepseekMoEBlock` (DeepSeek-MoE: router, routed experts, shared experts; fused_moe.py says which), one
+  rank (no tensor or expert parallelism), the cpu backend with its native library, bf16 activations and KV
+  cache, every linear on the native weight-only kernel (W4A16 / W8A16) or the native bf16 kernel (dense bf16);
 - the step: one token per sequence (`max_query_len == 1`: no prefill, no speculative verification), fewer rows
   than the linears' native-kernel thresholds (`cpu.DENSE_BF16_MAX_M` with dense layers, else
-  `cpu.native_max_m()`).
+  `cpu.native_max_m()`; a MoE block's router is dense).
 On by default in eager mode (`enforce_eager=True`, the CPU default); `ASCQ_FUSED_DECODE=0` (or
 `ASCQ_NATIVE_KERNELS=0`) turns it off, and with decode graphs (`--no-enforce-eager`) the graphs run instead.
 """
@@ -29,19 +31,13 @@ from ascq import envs
 from ascq.kernels import cpu, native
 from ascq.platforms import platform_for
 from ascq.runtime.layers.attention import AttentionMetadata
-from ascq.runtime.layers.linear import LinearBase
+from ascq.runtime.models.deepseek import DeepseekMoEBlock
 from ascq.runtime.models.llama import DecoderLayer, DecoderModel, LlamaMLP
+from ascq.runtime.worker import fused_moe
+from ascq.runtime.worker.fused_linear import linear_reason, linear_struct
 
-KINDS = {"dense": 0}  # native kernels: their bit width
-
-
-_Linear = native.structures()["ascq_fused_linear"]  # the C structs, read from ascq_kernels.h
-_Layer = native.structures()["ascq_fused_layer"]
+_Layer = native.structures()["ascq_fused_layer"]  # the C structs, read from ascq_kernels.h
 _Model = native.structures()["ascq_fused_model"]
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def silu_table() -> torch.Tensor:
@@ -51,37 +47,12 @@ def silu_table() -> torch.Tensor:
     return F.silu(patterns.view(torch.bfloat16)).view(torch.int16).contiguous()
 
 
-def _linear_reason(linear: LinearBase) -> str | None:
-    p = linear.prepared
-    if linear.backend is not cpu or not isinstance(p, cpu.CpuLinear):
-        return "a linear is not on the cpu backend"
-    if getattr(linear, "tp_size", 1) != 1 or getattr(linear, "global_token_scale", False):
-        return "tensor parallel linears"
-    if p.kernel == "dense" and p.weight.dtype == torch.bfloat16 and p.weight.shape[1] % 16 == 0:
-        return None
-    if p.kernel == "native":
-        return None
-    return (
-        f"a linear runs on the {p.kernel!r} kernel (fused decode takes native weight-only and dense bf16 "
-        f"linears)"
-    )
-
-
-def _linear_struct(linear: LinearBase) -> tuple[_Linear, int]:
-    """The C view of a prepared linear, and the most rows its eager kernel serves."""
-    p = linear.prepared
-    bias = _ptr(p.bias)
-    if p.kernel == "dense":
-        n, k = p.weight.shape
-        return _Linear(0, n, k, 0, 0, 0, p.weight.data_ptr(), None, None, bias), cpu.DENSE_BF16_MAX_M - 1
-    w = p.packed
-    scales, scales_bf16, zeros, zeros_kind = native.qparam_args(w.scales, w.zeros)
-    return (
-        _Linear(
-            w.bits, w.n, w.k, w.group_size, scales_bf16, zeros_kind, w.data.data_ptr(), scales, zeros, bias
-        ),
-        cpu.native_max_m() - 1,
-    )
+def _mlp_reason(mlp: torch.nn.Module) -> str | None:
+    if type(mlp) is DeepseekMoEBlock:
+        return fused_moe.block_reason(mlp)
+    if type(mlp) is not LlamaMLP:
+        return f"{type(mlp).__name__} is neither a Llama MLP nor a DeepSeek-MoE block"
+    return linear_reason(mlp.gate_up_proj) or linear_reason(mlp.down_proj)
 
 
 def unsupported_reason(model: DecoderModel) -> str | None:
@@ -98,15 +69,12 @@ def unsupported_reason(model: DecoderModel) -> str | None:
     if not len(model.layers):
         return "no layers"
     for layer in model.layers:
-        if type(layer) is not DecoderLayer or type(layer.mlp) is not LlamaMLP:
-            return (
-                f"{type(layer).__name__} / {type(getattr(layer, 'mlp', None)).__name__} is not a Llama layer"
-            )
+        if type(layer) is not DecoderLayer:
+            return f"{type(layer).__name__} is not a Llama-family decoder layer"
         attn = layer.self_attn
-        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            reason = _linear_reason(linear)
-            if reason:
-                return reason
+        reason = linear_reason(attn.qkv_proj) or linear_reason(attn.o_proj) or _mlp_reason(layer.mlp)
+        if reason:
+            return reason
         if attn.attn.k_cache.dtype != torch.bfloat16 or attn.attn.v_cache.dtype != torch.bfloat16:
             return "the KV cache is not bf16"
     norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -119,6 +87,7 @@ def unsupported_reason(model: DecoderModel) -> str | None:
 class _Plan:
     struct: _Model
     layers: ctypes.Array  # kept alive: struct.layers points into it
+    blocks: list[fused_moe.BlockStruct]  # kept alive: MoE layers' struct.moe point to them
     caches: list[tuple[torch.Tensor, torch.Tensor]]  # the caches the plan's pointers are for
     max_rows: int
 
@@ -140,16 +109,19 @@ class FusedDecode:
     def _build(self) -> _Plan:
         layers = self.model.layers
         structs = (_Layer * len(layers))()
+        blocks = []
         max_rows = cpu.native_max_m()
         for layer, s in zip(layers, structs, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            for name, linear in (
-                ("qkv", attn.qkv_proj),
-                ("o", attn.o_proj),
-                ("gate_up", mlp.gate_up_proj),
-                ("down", mlp.down_proj),
-            ):
-                struct, rows = _linear_struct(linear)
+            linears = [("qkv", attn.qkv_proj), ("o", attn.o_proj)]
+            if type(mlp) is DeepseekMoEBlock:
+                blocks.append(fused_moe.block_struct(mlp))
+                s.moe = ctypes.pointer(blocks[-1].struct)
+                max_rows = min(max_rows, blocks[-1].max_rows)
+            else:
+                linears += [("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)]
+            for name, linear in linears:
+                struct, rows = linear_struct(linear.prepared)
                 setattr(s, name, struct)
                 max_rows = min(max_rows, rows)
             s.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -157,14 +129,12 @@ class FusedDecode:
             s.k_cache, s.v_cache = attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr()
         first = layers[0].self_attn
         k_cache = first.attn.k_cache
-        mlp = layers[0].mlp
         model = _Model(
             len(layers),
             self.model.embed_tokens.weight.shape[1],
             first.num_heads,
             first.num_kv_heads,
             first.head_dim,
-            mlp.down_proj.prepared.weights.in_features,
             k_cache.shape[1],
             k_cache.shape[0],
             layers[0].input_layernorm.eps,
@@ -173,7 +143,7 @@ class FusedDecode:
             ctypes.cast(structs, ctypes.POINTER(_Layer)),
             self.model.norm.weight.data_ptr(),
         )
-        return _Plan(model, structs, self._caches(), max_rows)
+        return _Plan(model, structs, blocks, self._caches(), max_rows)
 
     def __call__(
         self,
