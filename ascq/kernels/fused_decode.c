@@ -299,9 +299,13 @@ typedef struct {  // a MoE block's step: one slot per (row, chosen expert), grou
     float *weight;      // [slots]: its routing weight
     int *first;         // [max_experts]: an expert's first slot
     float *acc;         // fp32 [rows, hidden]: the weighted sum of a row's experts
-    uint16_t *logits;   // bf16 [rows, max_experts]
+    linear_input router_in;                // [rows, hidden]
+    float *router_y;                       // fp32 [rows, max_experts]
+    uint16_t *logits;                      // bf16 [rows, max_experts]
     float *route_scratch, *route_weights;  // 4 * max_experts; [rows, top_k]
     int32_t *route_ids;                    // [rows, top_k]
+    linear_task first_tasks[2];            // the router's product, and the shared experts' gate_up
+    int num_first;
     // [slots + 1]: the chosen experts' products (num_routed, their first slots), then the shared experts'
     linear_task *gate_up, *down;
     int *task_first;
@@ -337,6 +341,8 @@ static int alloc_step(step_buffers *s, const ascq_fused_model *m, extents x, int
     e->weight = alloc_array(slots, sizeof(float), &failed);
     e->first = alloc_array(experts, sizeof(int), &failed);
     e->acc = alloc_array(rows * m->hidden, sizeof(float), &failed);
+    alloc_input(&e->router_in, rows, m->hidden, &failed);
+    e->router_y = alloc_array(rows * experts, sizeof(float), &failed);
     e->logits = alloc_array(rows * experts, sizeof(uint16_t), &failed);
     e->route_scratch = alloc_array(4 * experts, sizeof(float), &failed);
     e->route_weights = alloc_array(slots, sizeof(float), &failed);
@@ -351,19 +357,29 @@ static void free_step(step_buffers *s) {
     moe_step *e = &s->moe;
     free(s->h), free(s->act), free(s->y), free_input(&s->in), free(s->query), free(s->attn), free(s->scratch);
     free(e->x), free(e->act), free(e->y), free_input(&e->in), free(e->row), free(e->weight), free(e->first);
-    free(e->acc), free(e->logits), free(e->route_scratch), free(e->route_weights), free(e->route_ids);
+    free(e->acc), free_input(&e->router_in), free(e->router_y), free(e->logits), free(e->route_scratch), free(e->route_weights), free(e->route_ids);
     free(e->gate_up), free(e->down), free(e->task_first);
 }
 
-// One thread, the block's input in s->h: the router's logits -> the rows each expert takes (slots) -> each chosen
-// expert's input gathered and prepared, the shared experts' input prepared, the products' task lists.
+// One thread, the block's input in s->h: the router's and the shared experts' gate_up inputs prepared, the first
+// products' tasks (the router's columns are few: the shared experts' gate_up keeps the other threads busy).
+static void moe_prepare(const ascq_fused_moe *moe, int num_rows, step_buffers *s) {
+    moe_step *e = &s->moe;
+    prepare_input(&moe->router, s->h, num_rows, &e->router_in);
+    e->first_tasks[0] = (linear_task){&moe->router, e->router_in, num_rows, e->router_y};
+    e->num_first = 1;
+    if (moe->shared_gate_up.weight) {
+        prepare_input(&moe->shared_gate_up, s->h, num_rows, &s->in);
+        e->first_tasks[e->num_first++] = (linear_task){&moe->shared_gate_up, s->in, num_rows, s->y};
+    }
+}
+
+// One thread, after the first products: the router's logits -> the rows each expert takes (slots) -> each chosen
+// expert's input gathered and prepared, the products' task lists.
 static void moe_route(const ascq_fused_moe *moe, int hidden, int num_rows, step_buffers *s) {
     moe_step *e = &s->moe;
     int k = moe->top_k, num_slots = num_rows * k;
-    linear_task router = {&moe->router, s->in, num_rows, s->y};
-    prepare_input(&moe->router, s->h, num_rows, &s->in);
-    task_columns(&router, 0, moe->router.n);  // a few columns: one thread
-    linear_output(&moe->router, s->y, num_rows, e->logits);
+    linear_output(&moe->router, e->router_y, num_rows, e->logits);
     ascq_moe_route_rows(e->logits, num_rows, moe->num_experts, k, moe->renormalize, moe->lanes, e->route_scratch,
                         e->route_weights, e->route_ids);
     memset(e->first, 0, sizeof(int) * moe->num_experts);
@@ -388,8 +404,7 @@ static void moe_route(const ascq_fused_moe *moe, int hidden, int num_rows, step_
     }
     e->num_routed = e->num_tasks = t;
     if (moe->shared_gate_up.weight) {
-        prepare_input(&moe->shared_gate_up, s->h, num_rows, &s->in);
-        e->gate_up[t] = (linear_task){&moe->shared_gate_up, s->in, num_rows, s->y};
+        e->gate_up[t] = e->first_tasks[1];
         e->down[t] = (linear_task){&moe->shared_down, s->in, num_rows, s->y};
         e->num_tasks++;
     }
@@ -423,12 +438,16 @@ static void moe_sum(const ascq_fused_moe *moe, int hidden, int num_rows, step_bu
     }
 }
 
-// All threads, after moe_route: the chosen experts' and the shared experts' MLPs, their products' columns shared
-// out together, then moe_sum into out.
-static void moe_experts(const ascq_fused_moe *moe, const uint16_t *silu_table, int hidden, int num_rows,
-                        step_buffers *s, uint16_t *out) {
+// All threads, after moe_prepare: the router and the shared experts' gate_up, moe_route, the chosen experts'
+// gate_up, then the chosen and the shared experts' middles and downs (each stage's columns shared out together),
+// then moe_sum into out.
+static void moe_block(const ascq_fused_moe *moe, const uint16_t *silu_table, int hidden, int num_rows,
+                      step_buffers *s, uint16_t *out) {
     moe_step *e = &s->moe;
-    linear_columns(e->gate_up, e->num_tasks);
+    linear_columns(e->first_tasks, e->num_first);
+#pragma omp single
+    moe_route(moe, hidden, num_rows, s);
+    linear_columns(e->gate_up, e->num_routed);
 #pragma omp for schedule(dynamic)
     for (int t = 0; t < e->num_tasks; t++) {
         const linear_task *gate_up = &e->gate_up[t], *down = &e->down[t];
@@ -521,12 +540,12 @@ int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t *residual
                     for (int b = 0; b < num_rows; b++)
                         rms_norm_row(residual + b * hidden, L->post_norm, hidden, m->eps, s.scratch, s.h + b * hidden);
                     if (L->moe)
-                        moe_route(L->moe, hidden, num_rows, &s);
+                        moe_prepare(L->moe, num_rows, &s);
                     else
                         prepare_input(&L->gate_up, s.h, num_rows, &s.in);
                 }
                 if (L->moe)
-                    moe_experts(L->moe, m->silu_table, hidden, num_rows, &s, x);
+                    moe_block(L->moe, m->silu_table, hidden, num_rows, &s, x);
                 else
                     dense_mlp(L, m->silu_table, num_rows, &s, x);
             }
