@@ -106,6 +106,11 @@ static int chunk_columns(const ascq_fused_linear *p, int num_threads) {
     return p->kind == 0 ? BF16_CHUNK_COLUMNS : ascq_weight_only_chunk_columns(p->n, num_threads);
 }
 
+static int chunks_of(const ascq_fused_linear *p, int num_threads) {
+    int columns = chunk_columns(p, num_threads);
+    return (p->n + columns - 1) / columns;
+}
+
 // Output columns [j0, j1) of a task's product.
 static void task_columns(const linear_task *task, int j0, int j1) {
     const ascq_fused_linear *p = task->p;
@@ -119,22 +124,17 @@ static void task_columns(const linear_task *task, int j0, int j1) {
 
 // The output columns of the tasks' linears in chunks taken by whichever thread is free (on a shared machine a
 // thread may be descheduled for a while; each column's result does not depend on the split), with the worksharing
-// loop's barrier at the end.
+// loop's barrier at the end. A MoE block's experts share one loop: at batch 1 that beats each thread taking whole
+// experts (deepseek-moe-16b's shapes, 2 threads: 9 % less time per step).
 static void linear_columns(const linear_task *tasks, int num_tasks) {
     int num_threads = omp_get_num_threads(), num_chunks = 0;
-    for (int t = 0; t < num_tasks; t++) {
-        int columns = chunk_columns(tasks[t].p, num_threads);
-        num_chunks += (tasks[t].p->n + columns - 1) / columns;
-    }
+    for (int t = 0; t < num_tasks; t++) num_chunks += chunks_of(tasks[t].p, num_threads);
 #pragma omp for schedule(dynamic)
     for (int c = 0; c < num_chunks; c++) {
         const linear_task *task = tasks;
-        int columns = chunk_columns(task->p, num_threads), chunk = c;
-        for (int chunks; chunk >= (chunks = (task->p->n + columns - 1) / columns);) {
-            chunk -= chunks, task++;
-            columns = chunk_columns(task->p, num_threads);
-        }
-        int j0 = chunk * columns;
+        int chunk = c;
+        for (; chunk >= chunks_of(task->p, num_threads); task++) chunk -= chunks_of(task->p, num_threads);
+        int columns = chunk_columns(task->p, num_threads), j0 = chunk * columns;
         task_columns(task, j0, j0 + columns < task->p->n ? j0 + columns : task->p->n);
     }
 }
