@@ -22,8 +22,17 @@ from pathlib import Path
 
 import torch
 
-from ascq.core import qmath
-from ascq.quantize import awq, convert, gptq, gptq_modifier, layer_context, pipeline, smoothquant
+from ascq.quantize import (
+    awq,
+    awq_modifier,
+    convert,
+    gptq,
+    gptq_modifier,
+    layer_context,
+    observer,
+    pipeline,
+    smoothquant,
+)
 from ascq.quantize.architectures import Architecture
 from ascq.quantize.awq_modifier import AWQModifier
 from ascq.quantize.quantization_modifier import QuantizationModifier
@@ -64,11 +73,12 @@ def install_timers() -> None:
     patch(AWQModifier, "process_layer", "AWQ other")
     patch(awq, "search_scales", "AWQ alpha grid")
     patch(awq, "search_clip", "AWQ clip search")
+    patch(awq_modifier, "replay", "AWQ block replay")
     patch(gptq_modifier.GPTQModifier, "process_layer", "GPTQ other")
     patch(gptq.HessianAccumulator, "add", "GPTQ Hessian accumulation")
     patch(gptq_modifier, "gptq_quantize", "GPTQ solve")
     patch(QuantizationModifier, "process_layer", "QuantizationModifier (RTN, observers)")
-    patch(qmath, "quantize_weight", "RTN quantize_weight")
+    patch(observer, "quantize_weight", "RTN quantize_weight")
     patch(pipeline, "_write_layer", "write layer")
     patch(pipeline, "install_quantized", "install quantized weights")
     patch(pipeline, "_forward_all", "propagation forward")
@@ -82,6 +92,7 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--layers", type=int, default=3, help="convert only the first N decoder layers")
+    parser.add_argument("--calibration-dtype", default="auto", help="as ascq convert's")
     args = parser.parse_args()
     install_timers()
     load_architecture = convert.load_architecture
@@ -101,6 +112,7 @@ def main() -> None:
             seq_len=args.seq_len,
             progress=False,
             evaluate=False,
+            calibration_dtype=args.calibration_dtype,
         )
         convert.convert = timed("other", convert.convert)
         start = time.perf_counter()

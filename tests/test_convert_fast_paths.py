@@ -72,6 +72,13 @@ def test_alpha_grid_gram_loss_equals_the_linear_output_loss():
     )
     assert gram[2] == pytest.approx(plain[2], rel=1e-4)
     assert gram[1] == plain[1] and torch.equal(gram[0], plain[0])
+    # fewer tokens than input channels: the rows themselves stand in for the Gram matrix
+    few = x[:40]
+    outputs = lambda: torch.cat([linear(few), second(few)], dim=-1)  # noqa: E731
+    plain = awq.search_scales(x_mean, [linear, second], outputs, fake_quantize, config)
+    rows = awq.search_scales(x_mean, [linear, second], None, fake_quantize, config, gram=few)
+    assert rows[2] == pytest.approx(plain[2], rel=1e-4)
+    assert rows[1] == plain[1] and torch.equal(rows[0], plain[0])
 
 
 def test_shared_gram_cache_gives_the_same_hessians_once_per_input():
@@ -357,3 +364,23 @@ def test_calibration_dtype_auto_is_bf16_only_for_recipes_measured_with_it(monkey
     assert pipeline.calibration_gemm_dtype("auto", "cpu", load_recipes(["w8a8"])) is torch.float32
     with pytest.raises(AscqError, match="--calibration-dtype 'fp16'"):
         pipeline.calibration_gemm_dtype("fp16", "cpu", load_recipes(["w8a8"]))
+
+
+def test_replay_runs_input_only_calls_as_one_and_keeps_per_call_context():
+    from ascq.quantize.input_capture import replay
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16))
+    inputs = [torch.randn(1, 5, 16), torch.randn(1, 7, 16)]
+    calls = [((x,), {}) for x in inputs]
+    per_call = torch.cat([mlp(x).reshape(-1, 16) for x in inputs])
+    torch.testing.assert_close(replay(mlp, calls, inputs), per_call)
+
+    class SequenceMean(nn.Module):  # sees its call's whole sequence: must run call by call
+        def forward(self, x, scale=1.0):
+            return (x - x.mean(dim=1, keepdim=True)) * scale
+
+    block = SequenceMean()
+    calls = [((x,), {"scale": 2.0}) for x in inputs]
+    expected = torch.cat([block(x, scale=2.0).reshape(-1, 16) for x in inputs])
+    assert torch.equal(replay(block, calls, inputs), expected)

@@ -39,6 +39,14 @@ ASCQ_API int ascq_gptq_columns(float *w, int out, int block_rows, int first, int
 ASCQ_API int ascq_group_quant_errors(const float *x, const float *importance, int num_groups, int group_len,
                                      const float *scales, const float *zeros, int num_candidates, float q_min,
                                      float q_max, float norm, float *errors, int num_threads);
+// group_fake_quant.c: min-max round-to-nearest fake quantization of weight groups, and AWQ's clip search on it.
+ASCQ_API int ascq_group_fake_quant(const float *x, const float *col_scales, float *out, int rows, int cols,
+                                   int group_len, float q_min, float q_max, int symmetric, int scale_kind,
+                                   int num_threads);
+ASCQ_API int ascq_awq_clip_search(const float *w, int out, int in, int group_len, const float *grams, const float *x,
+                                  int num_tokens, const float *shrinks, int num_shrinks, float q_min, float q_max,
+                                  int symmetric, int scale_kind, float *best_max, int num_threads);
+
 // torch_cpu_ops.c: a MoE router's softmax + top-k as torch computes them on the CPU (kernels/reference.py
 // select_experts) from bf16 logits [num_rows, num_experts]; lanes: torch's fp32 vector width (8 or 16, its sum
 // order); top_k <= 17. weights fp32 and ids [num_rows, top_k], in torch.topk's order.

@@ -1,7 +1,8 @@
 """ascq's native CPU kernels (weight_only_mm.c: W4A16 / W8A16 matmul; bf16_mm.c: bf16-weight matmul for small
 M; paged_decode_attention.c; fused_decode.c: a decoder stack's decode step in one call; torch_cpu_ops.c: the
-torch reductions and MoE routing it reproduces), compiled with the system C compiler on first use into one
-shared library and loaded via ctypes.
+torch reductions and MoE routing it reproduces; the converter's gptq_columns.c, group_quant_error.c and
+group_fake_quant.c: GPTQ's column loop, the MSE observer's search, min-max fake quantization and AWQ's clip
+search), compiled with the system C compiler on first use into one shared library and loaded via ctypes.
 
 No torch headers are needed (the kernels take raw pointers), so a compile takes about a second. The shared
 object is cached under $ASCQ_CACHE_DIR (default ~/.cache/ascq/kernels), named by a hash of source, flags and
@@ -50,6 +51,7 @@ SOURCES = [
         "torch_cpu_ops.c",
         "gptq_columns.c",
         "group_quant_error.c",
+        "group_fake_quant.c",
     )
 ]
 HEADER = Path(__file__).with_name("ascq_kernels.h")  # the ABI: prototypes and structs, declared once
@@ -497,6 +499,84 @@ def group_quant_errors(
             f"quantization error kernel rejected x {tuple(x.shape)}, {scales.shape[1]} candidates"
         )
     return errors
+
+
+SCALE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # group_fake_quant.c's scale_kind
+
+
+def group_fake_quant(
+    x: torch.Tensor,
+    group_len: int,
+    q_range: tuple[int, int],
+    symmetric: bool,
+    scale_dtype: torch.dtype,
+    col_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Min-max round-to-nearest fake quantization of x (fp32 [rows, cols]) in groups of `group_len` along a
+    row, scales rounded to `scale_dtype`, integer zero points (group_fake_quant.c; torch's values bit for
+    bit). `col_scales` (fp32 [cols]): Q(x · s) / s instead, AWQ's candidate weights."""
+    lib = load()
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.numel() < 2**31
+    x = x.contiguous()
+    if col_scales is not None:
+        assert col_scales.dtype == torch.float32 and col_scales.shape == (x.shape[1],)
+        col_scales = col_scales.contiguous()
+    out = torch.empty_like(x)
+    status = lib.ascq_group_fake_quant(
+        x.data_ptr(),
+        None if col_scales is None else col_scales.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        group_len,
+        float(q_range[0]),
+        float(q_range[1]),
+        int(symmetric),
+        SCALE_KINDS[scale_dtype],
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"fake quantization kernel rejected x {tuple(x.shape)}, group {group_len}")
+    return out
+
+
+def awq_clip_search(
+    w: torch.Tensor,
+    group_len: int,
+    grams: torch.Tensor | None,
+    x: torch.Tensor | None,
+    shrinks: torch.Tensor,
+    q_range: tuple[int, int],
+    symmetric: bool,
+    scale_dtype: torch.dtype,
+) -> torch.Tensor:
+    """AWQ's clip search (group_fake_quant.c) on fp32 w [out, in]: grams fp32 [groups, len, len] (the groups'
+    xᵀx / n), or tokens x fp32 [n, in] where grams is None; shrinks fp32 [steps] -> best max [out, groups]."""
+    lib = load()
+    out_dim, in_dim = w.shape
+    for t in (w, grams, x, shrinks):
+        assert t is None or (t.dtype == torch.float32 and t.is_contiguous())
+    best = torch.empty(out_dim, in_dim // group_len)
+    status = lib.ascq_awq_clip_search(
+        w.data_ptr(),
+        out_dim,
+        in_dim,
+        group_len,
+        None if grams is None else grams.data_ptr(),
+        None if x is None else x.data_ptr(),
+        0 if x is None else x.shape[0],
+        shrinks.data_ptr(),
+        shrinks.numel(),
+        float(q_range[0]),
+        float(q_range[1]),
+        int(symmetric),
+        SCALE_KINDS[scale_dtype],
+        best.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"clip search kernel rejected w {tuple(w.shape)}, group {group_len}")
+    return best
 
 
 def bf16_mm(lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -20,9 +20,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ascq.kernels import native
+from ascq.quantize.observer import MinMaxGrid
+
 FakeQuantize = Callable[[torch.Tensor], torch.Tensor]
+
 # weight elements quantized per call of the clip search (shrink steps stacked as rows)
 CLIP_STACK_ELEMENTS = 8 << 20
+WEIGHT_MEAN_ROWS = 4096  # rows per step of `weight_mean`
 
 
 @dataclasses.dataclass
@@ -58,13 +63,20 @@ def activation_mean(x: torch.Tensor) -> torch.Tensor:
 
 
 def weight_mean(weights: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
-    """|W| normalised by its quantization group's max, averaged over all output rows of the group: -> [in]."""
-    w = torch.cat([w.float() for w in weights], dim=0)
-    rows, cols = w.shape
-    size = _group(cols, group_size)
-    w = w.abs().view(-1, size)
-    w = w / w.amax(dim=1, keepdim=True).clamp(min=1e-12)
-    return w.view(rows, cols).mean(dim=0)
+    """|W| normalised by its quantization group's max, averaged over all output rows of the group: -> [in].
+    Summed WEIGHT_MEAN_ROWS rows at a time (a MoE block's experts together hold GiBs in fp32)."""
+    total = None
+    num_rows = 0
+    for weight in weights:
+        cols = weight.shape[1]
+        size = _group(cols, group_size)
+        for rows in weight.split(WEIGHT_MEAN_ROWS):
+            w = rows.float().abs().view(-1, size)
+            w = w / w.amax(dim=1, keepdim=True).clamp(min=1e-12)
+            part = w.view(rows.shape[0], cols).sum(dim=0)
+            total = part if total is None else total + part
+        num_rows += weight.shape[0]
+    return total / num_rows
 
 
 def _group(in_features: int, group_size: int) -> int:
@@ -101,6 +113,7 @@ def search_scales(
     exact: bool = False,
     gram: torch.Tensor | None = None,
     rows_independent: bool = False,
+    minmax_grids: Sequence[MinMaxGrid | None] = (),
 ) -> tuple[torch.Tensor, float | None, list[float]]:
     """Best per-input-channel scales for `linears` (which all read the same input, of mean |x| `x_mean`).
 
@@ -113,11 +126,14 @@ def search_scales(
 
     `gram`: their shared input's xᵀx / n, for the loss of the linears' own outputs: mean((x·Dᵀ)²) of a weight
     change D (the linears' changes stacked as rows) is Σ (D·G) ⊙ D / out, without running anything (out · in²
-    instead of n · out · in multiply-adds per grid point; equal up to float rounding). With `gram` alone that
-    loss judges (exact when the block is one linear); with both, it only shortlists the `config.shortlist`
-    best grid points for the block loss (all of them when shortlist is 0). `rows_independent`: every quantizer
-    treats each row on its own, so the scaled weights of several grid points are stacked as rows and quantized
-    in one call.
+    instead of n · out · in multiply-adds per grid point; equal up to float rounding); or, where the input has
+    fewer rows than columns, those rows x [n, in] (mean((x·Dᵀ)²) from them is then the cheaper form). With
+    `gram` alone that loss judges (exact when the block is one linear); with both, it only shortlists the
+    `config.shortlist` best grid points for the block loss (all of them when shortlist is 0).
+    `rows_independent`: every quantizer treats each row on its own, so the scaled weights of several grid
+    points are stacked as rows and quantized in one call. `minmax_grids` (one per linear): where every
+    linear's `fake_quantize` is min-max round-to-nearest on the native kernel, each candidate's Q(W·s)/s is
+    one native call per linear.
     """
     if block_output is None and gram is None:
         raise ValueError("AWQ: search_scales needs block_output or gram")
@@ -131,19 +147,22 @@ def search_scales(
     ]
     if exact:
         candidates = [(alpha, power_of_two(scales)) for alpha, scales in candidates]
-    originals = [lin.weight.data.clone() for lin in linears]
+    # kept as they are: the candidates replace the weight tensors, never write into them
+    originals = [lin.weight.data for lin in linears]
 
     def linear_loss() -> float:
         change = torch.cat(
             [lin.weight.float() - w.float() for lin, w in zip(linears, originals, strict=True)]
         )
+        if gram.shape[0] < gram.shape[1]:  # the input's rows themselves
+            return (gram @ change.t()).pow(2).mean().item()
         return ((change @ gram) * change).sum().item() / change.shape[0]
 
     reference = block_output().float() if block_output is not None else None
     try:
         if gram is not None and (block_output is None or 0 < config.shortlist < len(candidates)):
             losses = _candidate_losses(
-                candidates, linears, originals, quantizers, linear_loss, rows_independent
+                candidates, linears, originals, quantizers, linear_loss, rows_independent, minmax_grids
             )
             if block_output is not None:
                 best_first = sorted(range(len(candidates)), key=losses.__getitem__)
@@ -156,6 +175,7 @@ def search_scales(
                 quantizers,
                 lambda: (block_output().float() - reference).pow(2).mean().item(),
                 rows_independent,
+                minmax_grids,
             )
     finally:
         for lin, w in zip(linears, originals, strict=True):
@@ -174,9 +194,18 @@ def _candidate_losses(
     quantizers: list[FakeQuantize],
     loss: Callable[[], float],
     rows_independent: bool,
+    minmax_grids: Sequence[MinMaxGrid | None] = (),
 ) -> list[float]:
     """`loss()` with each candidate's fake-quantized weights Q(W·s)/s set on `linears` (left set on
     return)."""
+    if minmax_grids and all(grid is not None for grid in minmax_grids):
+        weights = [w.float() for w in originals]
+        losses = []
+        for _, scales in candidates:
+            for lin, w, original, grid in zip(linears, weights, originals, minmax_grids, strict=True):
+                lin.weight.data = grid.fake_quantize(w, scales.float()).to(original.dtype)
+            losses.append(loss())
+        return losses
     largest = max(w.numel() for w in originals)
     per_call = max(1, CLIP_STACK_ELEMENTS // largest) if rows_independent else 1
     losses = []
@@ -235,6 +264,7 @@ def search_clip(
     fake_quantize: FakeQuantize,
     config: AWQSearchConfig,
     rows_independent: bool = False,
+    minmax_grid: MinMaxGrid | None = None,
 ) -> torch.Tensor:
     """Per (output row, group) clip bound max|w| · (1 - shrink), shrink in {0, max_shrink/steps, ...,
     max_shrink}.
@@ -244,7 +274,9 @@ def search_clip(
     group is shorter than the token count (out · in · s multiply-adds per step instead of n · out · in, and no
     [n, out, groups] temporaries). `rows_independent`: `fake_quantize` treats every row on its own
     (per-channel or per-group parameters), so several shrink steps are stacked as extra rows and quantized in
-    one call. Returns max_val [out, num_groups].
+    one call. `minmax_grid`: `fake_quantize` is min-max round-to-nearest on that grid, and the search runs in
+    one native call (group_fake_quant.c: the same steps per group, the errors summed in its own order).
+    Returns max_val [out, num_groups].
     """
     w = weight.float()
     out_dim, in_dim = w.shape
@@ -254,14 +286,27 @@ def search_clip(
     w_groups = w.view(out_dim, num_groups, size)
     original_max = w.abs().view(out_dim, num_groups, size).amax(dim=-1)  # [out, g]
     gram = torch.einsum("ngs,ngt->gst", xs, xs) / xs.shape[0] if size < xs.shape[0] else None  # [g, s, s]
+    steps = range(config.num_clip_steps + 1)
+    shrinks = [1 - config.max_shrink * step / config.num_clip_steps for step in steps]
+    if minmax_grid is not None and minmax_grid.group_len == size:
+        return native.awq_clip_search(
+            w.contiguous(),
+            size,
+            None if gram is None else gram.contiguous(),
+            None if gram is not None else xs.reshape(xs.shape[0], -1).contiguous(),
+            torch.tensor(shrinks),
+            minmax_grid.q_range,
+            minmax_grid.symmetric,
+            minmax_grid.scale_dtype,
+        )
     reference = torch.einsum("ngs,ogs->nog", xs, w_groups) if gram is None else None
     best_err = torch.full_like(original_max, float("inf"))
     best_max = original_max.clone()
-    steps = list(range(config.num_clip_steps + 1))
+    steps = list(steps)
     per_call = max(1, CLIP_STACK_ELEMENTS // w.numel()) if rows_independent else 1
     for first in range(0, len(steps), per_call):
         chunk = steps[first : first + per_call]
-        shrink = torch.tensor([1 - config.max_shrink * step / config.num_clip_steps for step in chunk])
+        shrink = torch.tensor([shrinks[step] for step in chunk])
         max_vals = original_max[None] * shrink[:, None, None]  # [k, out, g]
         bound = max_vals.repeat_interleave(size, dim=2)  # [k, out, in]
         clipped = torch.maximum(torch.minimum(w[None], bound), -bound)

@@ -215,7 +215,7 @@ class AWQModifier(Modifier):
                 block_output = lambda: replay(block_module, calls[:num_calls], x[:num_calls])  # noqa: E731
             if (self.linear_loss or self.search.shortlist) and not group.exact_layers:  # the linears' outputs
                 flat = _flat_cat(x)
-                gram = flat.t() @ flat / flat.shape[0]
+                gram = flat.t() @ flat / flat.shape[0] if flat.shape[0] >= flat.shape[1] else flat.float()
         scales, alpha, _ = awq.search_scales(
             awq.activation_mean(_flat_cat(x)),
             modules,
@@ -225,6 +225,10 @@ class AWQModifier(Modifier):
             exact=bool(group.exact_layers),
             gram=gram,
             rows_independent=all(ctx.targets[n].weights.strategy in ("channel", "group") for n in linears),
+            minmax_grids=[
+                observer.minmax_grid(m.weight, ctx.targets[n].weights, ctx.scale_dtype)
+                for m, n in zip(modules, linears, strict=True)
+            ],
         )
         consumers = modules + [ctx.module(n) for n in group.exact_layers]
         producer = ctx.module(group.smooth_layer)
@@ -244,7 +248,12 @@ class AWQModifier(Modifier):
             config = self._search_config(ctx, name)
             rows_independent = ctx.targets[name].weights.strategy in ("channel", "group")
             max_val = awq.search_clip(
-                linear.weight, _flat_cat(x), self._fake_quantize(ctx, name), config, rows_independent
+                linear.weight,
+                _flat_cat(x),
+                self._fake_quantize(ctx, name),
+                config,
+                rows_independent,
+                observer.minmax_grid(linear.weight, ctx.targets[name].weights, ctx.scale_dtype),
             )
             awq.apply_clip(linear, max_val)
 

@@ -84,7 +84,12 @@ def _detach(value: Any) -> Any:
 @torch.no_grad()
 def replay(module: nn.Module, calls: list[Call], inputs: list[torch.Tensor]) -> torch.Tensor:
     """Concatenated (flattened to [tokens, features]) outputs of `module` re-run on each call with a new
-    input."""
+    input. Calls that passed the module its input alone (an MLP or MoE block: nothing tells it where a
+    sequence starts, so it works token by token) run as one call on all inputs side by side, which reads the
+    block's weights once instead of once per call."""
+    if len(calls) > 1 and all(len(args) == 1 and not kwargs for args, kwargs in calls):
+        out = first_output(module(torch.cat([x.reshape(-1, x.shape[-1]) for x in inputs])[None]))
+        return out.reshape(-1, out.shape[-1])
     outputs = []
     for call, x in zip(calls, inputs, strict=True):
         args, kwargs = with_main_input(call, x)

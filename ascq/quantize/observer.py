@@ -4,11 +4,31 @@ weight quantization from those ranges. The grid math itself is `ascq.core.qmath`
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
 from ascq.core import qmath
 from ascq.kernels import native
+
+
+@dataclasses.dataclass(frozen=True)
+class MinMaxGrid:
+    """A weight's fake quantization when it is min-max round-to-nearest per group or channel with integer zero
+    points, run by the native kernel (group_fake_quant.c): `fake_quantize_weight` and AWQ's searches."""
+
+    group_len: int  # the row's length when per channel
+    q_range: tuple[int, int]
+    symmetric: bool
+    scale_dtype: torch.dtype
+
+    def fake_quantize(self, w: torch.Tensor, col_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 w [out, in] -> fp32 Q(w), or Q(w · s) / s with `col_scales` s [in]."""
+        return native.group_fake_quant(
+            w, self.group_len, self.q_range, self.symmetric, self.scale_dtype, col_scales
+        )
+
 
 MINMAX_OBSERVERS = (None, "minmax", "memoryless_minmax", "static_minmax")  # the same ranges for a weight
 WEIGHT_OBSERVERS = (*MINMAX_OBSERVERS[1:], "mse")
@@ -139,5 +159,31 @@ def quantize_weight(
 def fake_quantize_weight(
     w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
+    grid = minmax_grid(w, args, scale_dtype)
+    if grid is not None:
+        return grid.fake_quantize(w.float()).to(w.dtype)
     q, scale, zero_point = quantize_weight(w, args, scale_dtype)
     return qmath.dequantize_weight(q, scale, zero_point, args).to(w.dtype)
+
+
+def minmax_grid(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> MinMaxGrid | None:
+    """`fake_quantize_weight`'s grid where group_fake_quant.c computes it (None elsewhere)."""
+    if not _native_fake_quant(w, args, scale_dtype):
+        return None
+    group_len = args.group_size if str(args.strategy) == "group" else w.shape[1]
+    if w.shape[1] % group_len:
+        return None
+    return MinMaxGrid(group_len, qmath.int_range(args.num_bits), bool(args.symmetric), scale_dtype)
+
+
+def _native_fake_quant(w: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype) -> bool:
+    """Whether group_fake_quant.c computes this fake quantization (the same values, one pass per group)."""
+    return (
+        native.available()
+        and args.type == "int"
+        and args.observer in MINMAX_OBSERVERS
+        and str(args.strategy) in ("group", "channel")
+        and qmath.zero_point_dtype(args) is None
+        and scale_dtype in native.SCALE_KINDS
+        and w.dim() == 2
+    )
