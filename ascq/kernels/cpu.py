@@ -27,11 +27,11 @@ Paths (thresholds from `python benchmarks/kernel_speed.py`; measurements in docs
   large M: dequantize into an fp32 workspace and run an fp32 GEMM on the (fake-quantized) activations.
 On hosts with AMX or AVX-512 BF16 (`BF16_GEMM_FAST`) torch's bf16 GEMM is several times its fp32 GEMM, so
 large products run in bf16 instead: dense bf16 from DENSE_BF16_MAX_M rows, weight-only from
-BF16_GEMM_NATIVE_MAX_M rows (dequantized into bf16), the LM head from BF16_GEMM_LM_HEAD_MIN_M rows;
-activations of these schemes are bf16 already, the weights' dequantized values are rounded to bf16 (relative
-error 2^-9). The workspaces are module-level buffers (one per dtype) grown to the largest layer: the backend
-is single-threaded. Attention: cpu_attention.py (paged_sdpa's, with decode rows read in place by the native
-kernel).
+BF16_GEMM_NATIVE_MAX_M rows (dequantized into bf16; from BF16_GEMM_UNCACHED_NATIVE_MAX_M rows for a linear
+whose bf16 copy is not kept), the LM head from BF16_GEMM_LM_HEAD_MIN_M rows; activations of these schemes are
+bf16 already, the weights' dequantized values are rounded to bf16 (relative error 2^-9). The workspaces are
+module-level buffers (one per dtype) grown to the largest layer: the backend is single-threaded. Attention:
+cpu_attention.py (paged_sdpa's, with decode rows read in place by the native kernel).
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ INT8PACK_MAX_M = 64
 # shapes)
 BF16_GEMM_NATIVE_MAX_M = 24
 BF16_GEMM_LM_HEAD_MIN_M = 8  # LM head: native bf16 kernel below, torch's bf16 GEMM from here
+# A weight-only linear without a kept bf16 copy (the model's linears exceed the budget, see `bf16_copies_for`)
+# dequantizes (and oneDNN packs) on every bf16 GEMM call, which the native kernel outruns up to this many rows
+# (deepseek-moe-16b's 2816 x 2048 experts, one thread, EPYC-512: 6.0 vs 7.4 ms at 64 rows, 9.0 vs 7.6 at 96;
+# at 8 rows 0.8 vs 3.9)
+BF16_GEMM_UNCACHED_NATIVE_MAX_M = 80
 # Linears on the bf16 GEMM path keep a bf16 copy of their weight (4x an int4 weight's bytes; dense bf16: a
 # second copy) while the process total stays within ASCQ_BF16_WEIGHT_CACHE_MB, instead of dequantizing (and
 # oneDNN repacking) on every call, a sizeable share of a batched decode step; past it they do that per call. 0
@@ -457,7 +462,8 @@ def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
 
 
 def _native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
-    if x.shape[0] >= native_max_m():
+    uncached = BF16_GEMM_FAST and p.bf16_weight is None
+    if x.shape[0] >= (max(native_max_m(), BF16_GEMM_UNCACHED_NATIVE_MAX_M) if uncached else native_max_m()):
         return _large_m_linear(x, p)
     y = native.weight_only_mm(None, x, p.packed)
     return y if p.bias is None else y + p.bias
