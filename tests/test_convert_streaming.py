@@ -3,12 +3,14 @@ RSS."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -217,3 +219,41 @@ def test_peak_rss_does_not_grow_with_layers(tmp_path):
         rss[num_layers] = _peak_rss(model, tmp_path / f"e{num_layers}")
     assert sizes[8] > 3 * sizes[2]
     assert rss[8] <= 1.25 * rss[2], (rss, sizes)
+
+
+@pytest.mark.parametrize("calibration_dtype", ["float32", "bfloat16"])
+def test_each_layer_is_freed_before_the_next_loads(tmp_path, monkeypatch, calibration_dtype):
+    """Linears that a layer swaps out for quantized ones must die with it: a forward closing over its linear
+    made a reference cycle that only the cyclic collector freed, whenever it ran; at deepseek-moe-16b's shape
+    that kept GiBs of fp32 experts per layer alive (peak RSS 9.2 GiB by layer 3 of an awq-int4 convert). With
+    automatic collection off, no earlier layer or weight may be alive when the next layer is built."""
+
+    from ascq.quantize.architectures import Architecture
+
+    model = tmp_path / "m"
+    write_synthetic_checkpoint(model, deepseek_config(3))
+    build_layer, layers, alive_at_build = Architecture.build_layer, [], []  # the layers and their weights
+
+    def recording_build_layer(self, index, state):
+        alive_at_build.append(sum(ref() is not None for ref in layers))
+        layer = build_layer(self, index, state)
+        layers.extend(weakref.ref(x) for x in [layer, *layer.parameters()])
+        return layer
+
+    monkeypatch.setattr(Architecture, "build_layer", recording_build_layer)
+    options = ConvertOptions(
+        str(model),
+        ["awq-int4"],
+        out=tmp_path / "entry",
+        num_samples=2,
+        seq_len=32,
+        evaluate=False,
+        progress=False,
+        calibration_dtype=calibration_dtype,
+    )
+    gc.disable()
+    try:
+        convert(options)
+    finally:
+        gc.enable()
+    assert alive_at_build == [0, 0, 0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -153,10 +154,15 @@ def gemm_in(linear: nn.Linear, dtype: torch.dtype, casts: dict) -> None:
     rounded: on SmolLM2 the bf16 output differs from fp32 by 2^-9 relative per input. `casts`: one dict for
     the linears of a layer, which then round an input they share once (`reference_forward.shared_result`)."""
 
+    # weakly: the function lives on the linear, and a strong reference would be a cycle that only the cyclic
+    # collector frees, whenever it runs (at deepseek-moe-16b's shape: GiBs of fp32 experts per layer)
+    module = weakref.ref(linear)
+
     def forward(x: torch.Tensor) -> torch.Tensor:
+        lin = module()
         cast = shared_result(casts, x, dtype, lambda: x.to(dtype))
-        y = F.linear(cast, linear.weight.to(dtype)).to(x.dtype)
-        return y if linear.bias is None else y.add_(linear.bias)
+        y = F.linear(cast, lin.weight.to(dtype)).to(x.dtype)
+        return y if lin.bias is None else y.add_(lin.bias)
 
     linear.forward = forward
 
