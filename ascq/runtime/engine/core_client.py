@@ -93,6 +93,9 @@ class EngineCoreClient:
         if message[0] == "step_error":
             self.processor.requests.clear()
             raise AscqError("the engine failed a step and dropped the requests in flight; see its log above")
+        if message[0] == "dead":  # a rank exited; the core process stops after this message
+            self.processor.requests.clear()
+            raise AscqError(message[1])
         if message[0] != "outputs":
             return []
         self.stats = message[2]

@@ -188,6 +188,11 @@ class EngineCore:
             outputs = self.engine.step()
         except Exception:  # an engine bug must not kill the server: fail what was in flight, keep serving
             logger.exception("engine step failed; failing the requests in flight")
+            dead = self.engine.dead_ranks()
+            if dead:  # ... unless a rank is gone: no step can run again, so this process stops
+                self.conn.send(("dead", f"the engine stopped: {dead}"))
+                self.running = False
+                return
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
             self.engine.step()  # drops the aborts' outputs

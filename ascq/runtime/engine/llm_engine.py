@@ -300,6 +300,12 @@ class LLMEngine:
         running = [r for r in sampling if not r.is_finished and id(r) not in self.structured.matchers]
         self.speculator.propose(running, self.max_model_len)
 
+    def dead_ranks(self) -> str | None:
+        """Which worker processes have exited, as a one-line message (None when all run, or in one
+        process)."""
+        dead_ranks = getattr(self.runner, "dead_ranks", None)
+        return dead_ranks() if dead_ranks is not None else None
+
     def shutdown(self) -> None:
         """Stop the executor's worker processes (none in a single process)."""
         shutdown = getattr(self.runner, "shutdown", None)

@@ -302,20 +302,26 @@ class MultiprocExecutor:
     def broadcast(self, step: StepInputs | None) -> None:
         dist.broadcast_object_list([step], src=0, group=self.state.cpu_group)
 
+    def dead_ranks(self) -> str | None:
+        dead = [f"{p.name} (exit code {p.exitcode})" for p in self.processes if not p.is_alive()]
+        return f"worker process {', '.join(dead)} exited; the engine cannot continue" if dead else None
+
     def check_workers(self) -> None:
-        dead = [p.name for p in self.processes if not p.is_alive()]
+        dead = self.dead_ranks()
         if dead:
-            raise AscqError(f"worker process {', '.join(dead)} exited; the engine cannot continue")
+            raise AscqError(dead)
 
     def shutdown(self) -> None:
         started = getattr(self, "state", None) is not None
-        if started and dist.is_initialized() and all(p.is_alive() for p in self.processes):
+        intact = all(p.is_alive() for p in self.processes)
+        if started and dist.is_initialized() and intact:
             try:
                 self.broadcast(None)
             except RuntimeError:  # a worker is gone: the group is broken; kill the rest below
-                pass
+                intact = False
         for process in self.processes:
-            join_or_kill(process, WORKER_JOIN_S)
+            # in a broken group the survivors wait in a collective that never completes: no grace period
+            join_or_kill(process, WORKER_JOIN_S if intact else 0)
         self.processes = []
         destroy_parallel()
         torch.set_num_threads(self.num_threads)
@@ -347,6 +353,9 @@ class DistributedModelRunner(ModelRunner):
         if not sampling:
             return input_ids.new_empty((0, 0), dtype=torch.float32), []
         return logits, [request for _, request in sampling]
+
+    def dead_ranks(self) -> str | None:
+        return self.executor.dead_ranks()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

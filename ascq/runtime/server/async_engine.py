@@ -211,6 +211,8 @@ class AsyncEngine:
                 future.set_result(None) if error is None else future.set_exception(ValueError(error))
         elif kind == "step_error":
             self._fail_all(APIError(500, "internal engine error", code="engine_error"))
+        elif kind == "dead":  # the core exits next: the reader's end of stream fails every request
+            logger.error("%s", message[1])
 
     def _dispatch(self, deltas: list[Any]) -> None:
         now = time.monotonic()
