@@ -56,6 +56,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.out.exists():
         parser.error(f"{args.out} exists; remove it first")
+    llama_quantize = args.llama_cpp / "build/bin/llama-quantize"
+    if not llama_quantize.is_file():  # checked first: the Q8_0 conversion takes minutes
+        parser.error(f"{llama_quantize} not found; build it (cmake --build build --target llama-quantize)")
     q8 = args.out.with_name(args.out.stem + ".Q8_0-intermediate.gguf")
     staging = args.out.with_name(args.out.stem + ".hf-staging")
     try:
@@ -66,7 +69,7 @@ def main() -> None:
         shutil.rmtree(staging)
         if args.delete_source:
             shutil.rmtree(args.source)
-        quantize = [str(args.llama_cpp / "build/bin/llama-quantize"), "--allow-requantize", str(q8)]
+        quantize = [str(llama_quantize), "--allow-requantize", str(q8)]
         quantize_s = timed(quantize + [str(args.out), "Q4_0", str(args.threads)])
     finally:
         q8.unlink(missing_ok=True)
