@@ -8,7 +8,8 @@ The convert runs in this process (into a temporary folder) with timers wrapped a
 (Without the perplexity before/after, `--no-eval`, as `compare_llmcompressor.py` times it.) Loading a layer,
 the modifiers' calibration forwards, SmoothQuant's scale math, AWQ's α-grid and clip search, GPTQ's Hessians
 and solve, round-to-nearest, writing, installing the quantized weights, the propagation forward. Times are
-exclusive (a phase inside another is subtracted from it); "other" is the rest of the convert call.
+exclusive (a phase inside another is subtracted from it); "other" is the rest of the convert call. Each
+layer's wall time and peak RSS (Linux) come first.
 """
 
 from __future__ import annotations
@@ -63,6 +64,24 @@ def patch(owner, name: str, phase: str) -> None:
     setattr(owner, name, timed(phase, getattr(owner, name)))
 
 
+LAYERS: list[tuple[float, float]] = []  # per decoder layer: wall seconds, peak RSS GiB
+
+
+def peak_rss_per_layer() -> None:
+    """Each `convert_layer` call's wall time and peak RSS: Linux resets the process's peak (VmHWM) when "5"
+    is written to /proc/self/clear_refs, so each layer's peak is read on its own."""
+    convert_layer = pipeline.convert_layer
+
+    def wrapper(*args, **kwargs):
+        Path("/proc/self/clear_refs").write_text("5")
+        start = time.perf_counter()
+        convert_layer(*args, **kwargs)
+        hwm_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+        LAYERS.append((time.perf_counter() - start, hwm_kb / 2**20))
+
+    pipeline.convert_layer = wrapper
+
+
 def install_timers() -> None:
     patch(convert, "load_calibration", "calibration tokens")
     patch(pipeline.CheckpointReader, "get_prefix", "read layer tensors")
@@ -95,6 +114,7 @@ def main() -> None:
     parser.add_argument("--calibration-dtype", default="auto", help="as ascq convert's")
     args = parser.parse_args()
     install_timers()
+    peak_rss_per_layer()
     load_architecture = convert.load_architecture
 
     def first_layers(model_dir):
@@ -122,6 +142,8 @@ def main() -> None:
         f"{' '.join(args.recipe)}, {args.layers} layers, {args.num_samples} x {args.seq_len} tokens, "
         f"{torch.get_num_threads()} threads: {total:.1f} s"
     )
+    for index, (seconds, peak_gib) in enumerate(LAYERS):
+        print(f"  layer {index}: {seconds:7.1f} s, peak RSS {peak_gib:.2f} GiB")
     for phase, seconds in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
         print(
             f"  {phase:40} {seconds:8.2f} s {100 * seconds / total:5.1f} %  ({CALLS[phase]} calls, "
