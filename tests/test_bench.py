@@ -41,8 +41,11 @@ def test_throughput_compare_passes_unchanged_and_fails_on_slowdown(
     # every request met the (loose) SLOs: goodput is the request throughput
     assert data["metrics"]["request_goodput"] == pytest.approx(data["metrics"]["request_throughput"])
 
-    # the same tree again: within a threshold wide enough for a shared machine's noise
-    assert run_cli([*common, "--compare", str(baseline), "--max-regression", "200"]) == 0
+    # an unchanged result never regresses, even at 0 %; a second real run is only checked for the passing exit
+    # code and its table: how much slower it is depends on what else the machine runs (a CI run beside a
+    # 2-thread job came out more than 3x slower than its own baseline)
+    assert compare(data["metrics"], data["metrics"], 0.0)[1] is False
+    assert run_cli([*common, "--compare", str(baseline), "--max-regression", "1000000"]) == 0
     assert "ratio" in capsys.readouterr().out
 
     # ten times a step as measured (steps slow down a lot on a loaded shared machine), 400 ms at least
