@@ -130,6 +130,11 @@ def calibration_gemm_dtype(choice: str, device: str, recipe: ComposedRecipe) -> 
         return (
             torch.bfloat16 if cpu.BF16_GEMM_FAST and platform_for(device).is_cpu and bf16 else torch.float32
         )
+    if choice == "bfloat16" and platform_for(device).is_cpu and not cpu.BF16_GEMM_FAST:
+        log.warning(
+            "--calibration-dtype bfloat16: this CPU has no fast bf16 GEMM (AMX / AVX-512 BF16), so the "
+            "calibration forwards run several times slower than with float32 (auto picks float32 here)"
+        )
     return getattr(torch, choice)
 
 
