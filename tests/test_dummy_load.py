@@ -150,3 +150,36 @@ def test_bf16_weight_copies_only_for_a_model_whose_linears_all_fit(
         ]
         assert kept and all(k == copies for k in kept), (budget_mib, kept)
         del model
+
+
+def _file_mappings(paths: list[Path]) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of `paths` (/proc/self/maps)."""
+    names = {str(p.resolve()) for p in paths}
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] in names:
+            start, end = (int(v, 16) for v in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_loaded_tensors_do_not_keep_the_shards_mapped(tiny_llama_dir: Path, converted_entry) -> None:
+    from ascq.formats.safetensors import CheckpointReader
+
+    entry = converted_entry(tiny_llama_dir, ("w4a16-rtn",))
+    shards = sorted(entry.glob("*.safetensors"))
+    quant = QuantConfig(json.loads((entry / "config.json").read_text())["quantization_config"])
+
+    def in_shards(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+        return any(start <= t.data_ptr() < end for start, end in ranges)
+
+    reader = CheckpointReader(entry)
+    with reader.opened():  # the reader's own tensors are views of the mapped files (what the test guards)
+        assert all(in_shards(reader.get(name), _file_mappings(shards)) for name in sorted(reader))
+    names = []
+    for name, tensor in iter_checkpoint(entry, quant):
+        assert not in_shards(tensor, _file_mappings(shards)), name
+        names.append(name)
+    assert any(n.endswith("weight_scale") for n in names) and any(n.endswith("norm.weight") for n in names)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -125,12 +125,13 @@ class CheckpointReader:
         return info["dtype"], tuple(info["shape"])
 
     @contextlib.contextmanager
-    def opened(self) -> Iterator[CheckpointReader]:
-        """Keep every shard open (memory-mapped) while the block runs."""
+    def opened(self, files: Iterable[str] | None = None) -> Iterator[CheckpointReader]:
+        """Keep every shard (or those of `files`) open (memory-mapped) while the block runs; `get` of a tensor
+        in another shard opens it for that call."""
         with contextlib.ExitStack() as stack:
             self._handles = {
                 f: stack.enter_context(safe_open(self.model_dir / f, framework="pt", device="cpu"))
-                for f in sorted(set(self.file_of.values()))
+                for f in sorted(set(self.file_of.values()) if files is None else set(files))
             }
             try:
                 yield self
@@ -140,7 +141,7 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.file_of:
             raise AscqError(f"{self.model_dir}: tensor {name} is missing from the checkpoint")
-        if self._handles is not None:
+        if self._handles is not None and self.file_of[name] in self._handles:
             return self._handles[self.file_of[name]].get_tensor(name)
         with safe_open(self.model_dir / self.file_of[name], framework="pt") as f:
             return f.get_tensor(name)
