@@ -1,7 +1,9 @@
 """Quantized linear micro-benchmark: one out x in layer (default 4096 x 4096), per scheme x M, in one run: the
 `cpu` backend (and each of its kernel paths, to justify the per-M thresholds in ascq/kernels/cpu.py), the
 `reference` backend, and dense bf16 / fp32 F.linear as baselines. Prints a markdown table (ms, best of
-interleaved rounds) and the speedup of the cpu backend over dense bf16 F.linear.
+interleaved rounds) and the speedup of the cpu backend over dense bf16 F.linear. "16-bit activations": w4a16
+on the native kernel with ASCQ_W4_ACTIVATION_BITS=16 (the cpu backend's default rounds them to 8 bits from 2
+rows).
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_speed.py [--size 4096] [--rows 1 8 32 128 512] [--dtype bf16]
 """
@@ -71,6 +73,16 @@ def forced_fast_linear(x: torch.Tensor, prepared: cpu.CpuLinear) -> torch.Tensor
             setattr(cpu, name, value)
 
 
+def activations_16_bit_linear(x: torch.Tensor, prepared: cpu.CpuLinear) -> torch.Tensor:
+    """forced_fast_linear with 4-bit weight-only products on the 16-bit activation kernel at every M."""
+    saved = cpu.W4_ACTIVATION_BITS
+    cpu.W4_ACTIVATION_BITS = 16
+    try:
+        return forced_fast_linear(x, prepared)
+    finally:
+        cpu.W4_ACTIVATION_BITS = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=int, default=4096)
@@ -90,10 +102,10 @@ def main() -> None:
     )
     print()
     print(
-        "| scheme | M | cpu backend | cpu kernel | fast kernel forced | dequant + fp32 | reference | dense "
-        "bf16 | dense fp32 | dense bf16 / cpu |"
+        "| scheme | M | cpu backend | cpu kernel | fast kernel forced | 16-bit activations | "
+        "dequant + fp32 | reference | dense bf16 | dense fp32 | dense bf16 / cpu |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     prepared_dense = cpu.prepare_linear(QuantLinearWeights("dense", dense_bf16), torch.bfloat16)
     for num_rows in args.rows:
         x = torch.randn(num_rows, args.size).to(dtype)
@@ -109,7 +121,7 @@ def main() -> None:
         bf16_ms, fp32_ms = base["bf16"], base["fp32"]
         kernel = "dense-fp32-workspace" if num_rows >= cpu.DENSE_BF16_MAX_M else "dense-bf16"
         print(
-            f"| dense bf16 | {num_rows} | {base['cpu']:.2f} | {kernel} | - | - | - | {bf16_ms:.2f} | "
+            f"| dense bf16 | {num_rows} | {base['cpu']:.2f} | {kernel} | - | - | - | - | {bf16_ms:.2f} | "
             f"{fp32_ms:.2f} | "
             f"{bf16_ms / base['cpu']:.2f} |"
         )
@@ -127,10 +139,12 @@ def main() -> None:
             }
             if prepared.kernel != "dequant":
                 candidates["fast"] = (forced_fast_linear, x, prepared)
+            if prepared.kernel == "native" and w.num_bits == 4:
+                candidates["a16"] = (activations_16_bit_linear, x, prepared)
             ms = interleaved_best_ms(candidates, args.rounds, args.min_run_time)
             print(
                 f"| {scheme} | {num_rows} | {ms['cpu']:.2f} | {prepared.kernel} | "
-                f"{ms.get('fast', float('nan')):.2f} | "
+                f"{ms.get('fast', float('nan')):.2f} | {ms.get('a16', float('nan')):.2f} | "
                 f"{ms['dequant']:.2f} | {ms['reference']:.2f} | {bf16_ms:.2f} | {fp32_ms:.2f} | "
                 f"{bf16_ms / ms['cpu']:.2f} |"
             )

@@ -36,6 +36,7 @@ def test_defaults_and_parsing(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert envs.ASCQ_NATIVE_KERNELS is True and envs.ASCQ_BF16_GEMM is None
     assert envs.ASCQ_BF16_WEIGHT_CACHE_MB == 1024 and envs.ASCQ_ZOO is None
+    assert envs.ASCQ_W4_ACTIVATION_BITS == 8
     monkeypatch.setenv("ASCQ_BF16_WEIGHT_CACHE_MB", "12")
     monkeypatch.setenv("ASCQ_ZOO", "/tmp/zoo")
     monkeypatch.setenv("ASCQ_FUSED_DECODE", "0")
@@ -45,7 +46,12 @@ def test_defaults_and_parsing(monkeypatch):
 
 @pytest.mark.parametrize(
     "name,value",
-    [("ASCQ_NATIVE_KERNELS", "yes"), ("ASCQ_BF16_WEIGHT_CACHE_MB", "-1"), ("ASCQ_LM_HEAD_QUANT", "int4")],
+    [
+        ("ASCQ_NATIVE_KERNELS", "yes"),
+        ("ASCQ_BF16_WEIGHT_CACHE_MB", "-1"),
+        ("ASCQ_LM_HEAD_QUANT", "int4"),
+        ("ASCQ_W4_ACTIVATION_BITS", "4"),
+    ],
 )
 def test_a_bad_value_is_one_line_naming_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)

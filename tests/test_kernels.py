@@ -242,6 +242,64 @@ def test_native_packing_round_trips_and_builds_into_its_cache_dir(tmp_path, bits
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
+def int8_activation_product(x, q, scales, zeros, group_size):
+    """Plain torch: each row rounded to int8 per group (scale max|x| / 127, half to even), exact integer sums
+    per group (float64), then the weight and activation scales."""
+    num_rows, k = x.shape
+    groups = x.float().view(num_rows, k // group_size, group_size)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    xq = torch.clamp(torch.round(groups * (1 / scale)), -127, 127).double()
+    w = q.double().view(q.shape[0], k // group_size, group_size)
+    if zeros is not None:
+        w = w - zeros.double()[..., None]
+    sums = torch.einsum("mgk,ngk->mng", xq, w)
+    return (sums * scale[..., 0].double()[:, None, :] * scales.double()[None]).sum(-1).float()
+
+
+@needs_native
+@pytest.mark.parametrize(("group_size", "zeros"), [(32, False), (64, True), (96, True), (128, False)])
+def test_native_int4_kernel_with_int8_activations_is_the_integer_product(group_size, zeros):
+    from ascq.kernels import native
+
+    torch.manual_seed(group_size)
+    n, k = 21, 4 * group_size  # 21: a padded last tile
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    scales = torch.rand(n, k // group_size) * 0.01 + 1e-3
+    zero_points = torch.randint(-8, 8, (n, k // group_size)).float() if zeros else None
+    packed = native.pack(q, 4, scales, zero_points, group_size)
+    x = torch.randn(9, k).bfloat16()
+    x[:, 5] *= 40  # an outlier channel: its group's scale, not the row's, coarsens
+    x[3] = 0  # an all-zero row
+    y = native.weight_int4_a8_mm(None, x, packed)
+    expected = int8_activation_product(x, q, scales, zero_points, group_size)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    rows = torch.cat([native.weight_int4_a8_mm(None, x[i : i + 2], packed) for i in range(0, 9, 2)])
+    assert torch.equal(rows, y)  # a row's result does not depend on the other rows
+
+
+@needs_native
+def test_cpu_backend_takes_int8_activations_for_4_bit_products_of_several_rows(monkeypatch):
+    from ascq.kernels import native
+
+    w = make_weights("w4a16", 64, 256, 64, True)
+    prepared = cpu.prepare_linear(w, torch.bfloat16)
+    assert prepared.kernel == "native"
+    monkeypatch.setattr(cpu, "BF16_GEMM_FAST", False)
+    x = torch.randn(cpu.W4_A8_MIN_M + 3, 256).bfloat16()
+    int8 = (native.weight_int4_a8_mm(None, x, prepared.packed) + prepared.bias).bfloat16()
+    int16 = (native.weight_only_mm(None, x, prepared.packed) + prepared.bias).bfloat16()
+    assert not torch.equal(int8, int16)
+    monkeypatch.setattr(cpu, "W4_ACTIVATION_BITS", 8)
+    assert torch.equal(cpu.linear(x, prepared), int8)
+    assert torch.equal(cpu.linear(x[:1], prepared), int16[:1])  # one row: the 16-bit kernel
+    monkeypatch.setattr(cpu, "W4_ACTIVATION_BITS", 16)
+    assert torch.equal(cpu.linear(x, prepared), int16)
+    reference = get_backend("reference")
+    expected = reference.linear(x, reference.prepare_linear(w, torch.bfloat16))
+    assert rel_error(int8.float(), expected.float()) < 2e-2
+
+
 def test_merge_output_dim_equals_separate_linears():
     parts = [make_weights("w4a16", n, 256, 64, False, seed=n) for n in (32, 16, 16)]
     ref = get_backend("reference")

@@ -66,7 +66,8 @@ def test_fused_decode_structs_come_from_the_header():
     fields = [name for name, _ in structs["ascq_fused_model"]._fields_]
     assert fields[:3] == ["num_layers", "hidden", "num_heads"] and fields[-2:] == ["layers", "final_norm"]
     linear = structs["ascq_fused_linear"]
-    assert ctypes.sizeof(linear) == 6 * 4 + 4 * 8  # six ints then four pointers, as C lays them out on x86-64
+    # seven ints, 4 bytes of padding, four pointers: as C lays them out on x86-64
+    assert ctypes.sizeof(linear) == 8 * 4 + 4 * 8
     layer = dict(structs["ascq_fused_layer"]._fields_)
     assert layer["qkv"] is linear
     assert layer["moe"] is ctypes.POINTER(structs["ascq_fused_moe"])  # a pointer to a header struct

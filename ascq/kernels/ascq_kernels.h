@@ -22,6 +22,9 @@ enum {
 ASCQ_API int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, const void *scales,
                                  int scales_bf16, const void *zeros, int zeros_kind, float *y, int num_rows, int n,
                                  int k, int group_size, int num_threads);
+ASCQ_API int ascq_weight_int4_a8_mm(const void *x, int is_bf16, const uint8_t *w, const void *scales, int scales_bf16,
+                                    const void *zeros, int zeros_kind, float *y, int num_rows, int n, int k,
+                                    int group_size, int num_threads);
 ASCQ_API int ascq_dequantize_bf16(const uint8_t *w, int bits, const void *scales, int scales_bf16, const void *zeros,
                                   int zeros_kind, uint16_t *out, int n, int k, int group_size, int num_threads);
 // bf16_mm.c: x fp32 [M, K] @ w bf16 [N, K]^T for small M.
@@ -58,6 +61,7 @@ ASCQ_API int ascq_moe_route(const uint16_t *logits, int num_rows, int num_expert
 typedef struct {
     int kind;  // 0: dense bf16 weight [n, k]; 4 or 8: weight-only bits (weight_only_mm.c layout)
     int n, k, group_size, scales_bf16, zeros_kind;
+    int a8_min_rows;                      // 4 bits: products of this many rows or more take 8-bit activations (0: never)
     const void *weight, *scales, *zeros;  // as ascq_weight_only_mm takes them (its tiled layout); zeros may be NULL
     const float *bias;                    // may be NULL
 } ascq_fused_linear;
@@ -95,6 +99,11 @@ void ascq_quantize_rows(const void *x, int is_bf16, int num_rows, int k, int gro
 void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w, int bits,
                               const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
                               int num_rows, int n, int k, int group_size, int j0, int j1);
+void ascq_quantize_rows_a8(const void *x, int is_bf16, int num_rows, int k, int group_size, int8_t *xq,
+                           float *xscale, int32_t *xsum);
+void ascq_weight_int4_a8_columns(const int8_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w,
+                                 const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
+                                 int num_rows, int n, int k, int group_size, int j0, int j1);
 int ascq_weight_only_shapes_ok(int bits, int k, int group_size);
 int ascq_weight_only_chunk_columns(int n, int num_threads);
 void ascq_bf16_columns(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int j0, int j1);

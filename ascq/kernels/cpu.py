@@ -10,8 +10,12 @@ Paths (thresholds from `python benchmarks/kernel_speed.py`; measurements in docs
 - `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
   replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as
   per-token 16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, faster than torch's int4pack at M=1;
-  from there dequantize + fp32 GEMM from the packed copy (the only copy kept). Used when the kernel builds
-  here (a C compiler, x86-64 with AVX2/FMA), else int4pack / int8pack:
+  from there dequantize + fp32 GEMM from the packed copy (the only copy kept). 4-bit weights from
+  W4_A8_MIN_M rows run with 8-bit activations per row and group instead (`native.weight_int4_a8_mm`: half
+  the multiplies, about 1.5x the 16-bit kernel and past the fp32 GEMM at every M measured; vLLM's CPU
+  AWQ/GPTQ path through IPEX quantizes activations to int8 per input block too), unless
+  ASCQ_W4_ACTIVATION_BITS=16. Used when the kernel builds here (a C compiler, x86-64 with AVX2/FMA), else
+  int4pack / int8pack:
 - `int4pack` (w4a16, out % 16 == 0, group 32/64/128/256, or per channel with in % 32 == 0 via replicated
   scales): aten._weight_int4pack_mm_for_cpu with bf16 activations below INT4PACK_MAX_M; from there dequantize
   + fp32 GEMM is faster, unpacking the int4pack copy itself (its layout is checked per layer at load; only if
@@ -62,6 +66,10 @@ LM_HEAD_BF16_MAX_M = 128
 INT4PACK_MAX_M = 256
 NATIVE_MAX_M = 512  # the crossover with dequantize + fp32 GEMM on SmolLM2's shapes
 INT8PACK_MAX_M = 64
+# 4-bit weight-only products from this many rows take the 8-bit activation kernel (at M = 1 both kernels
+# stream the weight from DRAM at the same speed; from 2 rows it wins: benchmarks/kernel_speed.py)
+W4_A8_MIN_M = 2
+W4_ACTIVATION_BITS = envs.ASCQ_W4_ACTIVATION_BITS  # read once: a per-call read costs more than a small GEMV
 # Where torch's bf16 GEMM runs on AMX tiles (`BF16_GEMM_FAST`), large products take it instead of the fp32
 # GEMM: weight-only: the native kernel below, bf16 dequantization + bf16 GEMM from here (measured on SmolLM2's
 # shapes)
@@ -461,7 +469,16 @@ def _int4pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     return y if p.bias is None else y + p.bias
 
 
+def w4_a8_min_rows() -> int:
+    """The fewest rows a 4-bit native product takes 8-bit activations from on this host (0: never)."""
+    return W4_A8_MIN_M if W4_ACTIVATION_BITS == 8 and not BF16_GEMM_FAST else 0
+
+
 def _native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    a8_min_rows = w4_a8_min_rows()
+    if p.packed.bits == 4 and 0 < a8_min_rows <= x.shape[0] and not torch.compiler.is_compiling():
+        y = native.weight_int4_a8_mm(None, x, p.packed)
+        return y if p.bias is None else y + p.bias
     uncached = BF16_GEMM_FAST and p.bf16_weight is None
     if x.shape[0] >= (max(native_max_m(), BF16_GEMM_UNCACHED_NATIVE_MAX_M) if uncached else native_max_m()):
         return _large_m_linear(x, p)

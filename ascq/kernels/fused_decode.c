@@ -73,14 +73,21 @@ static void rms_norm_row(const uint16_t *x, const uint16_t *weight, int n, float
 }
 
 typedef struct {  // a linear's input as its kernel wants it
-    int16_t *xq;
+    int16_t *xq;  // int8 values instead where `takes_a8`
     int32_t *xsum;
-    float *xscale, *xf;
+    float *xscale, *xf;  // xscale: per row, or per row and group where `takes_a8`
 } linear_input;
+
+// Whether p's product over num_rows rows runs on 8-bit activations (as cpu.linear decides per call).
+static int takes_a8(const ascq_fused_linear *p, int num_rows) {
+    return p->kind == 4 && p->a8_min_rows > 0 && num_rows >= p->a8_min_rows;
+}
 
 static void prepare_input(const ascq_fused_linear *p, const uint16_t *x, int num_rows, const linear_input *in) {
     if (p->kind == 0) {
         to_f32(x, in->xf, (long)num_rows * p->k);
+    } else if (takes_a8(p, num_rows)) {
+        ascq_quantize_rows_a8(x, 1, num_rows, p->k, p->group_size, (int8_t *)in->xq, in->xscale, in->xsum);
     } else {
         ascq_quantize_rows(x, 1, num_rows, p->k, p->group_size, in->xq, in->xscale, in->xsum);
     }
@@ -89,8 +96,8 @@ static void prepare_input(const ascq_fused_linear *p, const uint16_t *x, int num
 // `base`'s buffers from row `first` on, rows laid out as p's input.
 static linear_input input_rows(const linear_input *base, const ascq_fused_linear *p, int first) {
     size_t groups = p->kind == 0 ? 0 : (size_t)(p->k / p->group_size);
-    return (linear_input){base->xq + (size_t)first * p->k, base->xsum + first * groups, base->xscale + first,
-                          base->xf + (size_t)first * p->k};
+    return (linear_input){base->xq + (size_t)first * p->k, base->xsum + first * groups,
+                          base->xscale + first * (groups ? groups : 1), base->xf + (size_t)first * p->k};
 }
 
 typedef struct {  // one linear's product over some rows
@@ -116,6 +123,10 @@ static void task_columns(const linear_task *task, int j0, int j1) {
     const ascq_fused_linear *p = task->p;
     if (p->kind == 0)
         ascq_bf16_columns(task->in.xf, p->weight, task->y, task->num_rows, p->n, p->k, j0, j1);
+    else if (takes_a8(p, task->num_rows))
+        ascq_weight_int4_a8_columns((const int8_t *)task->in.xq, task->in.xsum, task->in.xscale, p->weight, p->scales,
+                                    p->scales_bf16, p->zeros, p->zeros_kind, task->y, task->num_rows, p->n, p->k,
+                                    p->group_size, j0, j1);
     else
         ascq_weight_only_columns(task->in.xq, task->in.xsum, task->in.xscale, p->weight, p->kind, p->scales,
                                  p->scales_bf16, p->zeros, p->zeros_kind, task->y, task->num_rows, p->n, p->k,
@@ -285,7 +296,7 @@ static void *alloc_array(size_t count, size_t size, int *failed) {
 static void alloc_input(linear_input *in, size_t rows, int widest, int *failed) {
     in->xq = alloc_array(rows * widest, sizeof(int16_t), failed);
     in->xsum = alloc_array(rows * (widest / 32 + 1), sizeof(int32_t), failed);
-    in->xscale = alloc_array(rows, sizeof(float), failed);
+    in->xscale = alloc_array(rows * (widest / 32 + 1), sizeof(float), failed);
     in->xf = alloc_array(rows * widest, sizeof(float), failed);
 }
 

@@ -397,6 +397,30 @@ def _weight_only_mm(
     return y
 
 
+def weight_int4_a8_mm(lib: ctypes.CDLL | None, x: torch.Tensor, w: PackedWeights) -> torch.Tensor:
+    """x [M, K] bf16 or fp32 -> fp32 [M, N] for 4-bit `w`, the activations rounded to 8 bits per row and group
+    (scale max|x| / 127) inside the kernel: half the multiplies of `weight_only_mm` (weight_only_mm.c)."""
+    lib = load() if lib is None else lib
+    assert w.bits == 4
+    x = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
+    y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    status = lib.ascq_weight_int4_a8_mm(
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        w.data.data_ptr(),
+        *qparam_args(w.scales, w.zeros),
+        y.data_ptr(),
+        x.shape[0],
+        w.n,
+        x.shape[1],
+        w.group_size,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"4-bit kernel rejected shapes x {tuple(x.shape)}, group size {w.group_size}")
+    return y
+
+
 def dequantize_bf16(lib: ctypes.CDLL | None, w: PackedWeights, out: torch.Tensor) -> torch.Tensor:
     """The dequantized weight (q - zero) * scale of `w`, rounded to bf16, written into `out` (bf16 [N, K])."""
     lib = load() if lib is None else lib

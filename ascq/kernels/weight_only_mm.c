@@ -270,6 +270,190 @@ int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, 
     return 0;
 }
 
+// ---- 4-bit weights against 8-bit activations (the large-M path) --------------------------------------------
+// AVX2 has no wider integer multiply than _mm256_madd_epi16 (16 products), and on Zen 2 it issues on one port: the
+// 16-bit path above runs at that port's limit (74 GFLOP/s per thread, docs/benchmarks.md). _mm256_maddubs_epi16
+// multiplies 32 unsigned x signed byte pairs on the same port, so with activations in 8 bits (per row and group:
+// scale = max|x| / 127, values in [-127, 127]) and the offset-binary nibbles u in [0, 15] a tile costs half the
+// multiplies. The layout needs no change: masked, the low nibbles of a quad are each feature's first input pair in
+// one 16-bit lane per feature, the high nibbles its second pair. A pair sum is at most 2 * 15 * 127 = 3810, so
+// eight of them add exactly in 16 bits (30480): each span of 64 inputs is summed in two 16-bit accumulators, then
+// widened. vLLM's CPU AWQ / GPTQ path (IPEX, WoqLowpMode.INT8) also quantizes activations per input block to int8.
+#define A8_SPAN 32  // inputs per 16-bit accumulation
+
+// One row's 8-bit values, per-group scales and per-group sums of the values (group_size % 32 == 0).
+static void quantize_row_a8(const void *x, int is_bf16, int k, int group_size, int8_t *xq, float *xscale,
+                            int32_t *xsum) {
+    __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256i low = _mm256_set1_epi32(-127), high = _mm256_set1_epi32(127);
+    for (int g = 0; g < k / group_size; g++) {
+        int first = g * group_size;
+        __m256 amax8 = _mm256_setzero_ps();
+        for (int i = first; i < first + group_size; i += 8)
+            amax8 = _mm256_max_ps(_mm256_and_ps(load8_row(x, is_bf16, i), abs_mask), amax8);
+        float lanes[8], amax = 0.f;
+        _mm256_storeu_ps(lanes, amax8);
+        for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
+        float scale = amax > 0.f ? amax / 127.f : 1.f;
+        __m256 inv = _mm256_set1_ps(1.f / scale);
+        __m256i sum = _mm256_setzero_si256();
+        for (int i = first; i < first + group_size; i += 32) {
+            __m256i v[4];
+            for (int h = 0; h < 4; h++) {
+                v[h] = _mm256_cvtps_epi32(_mm256_mul_ps(load8_row(x, is_bf16, i + 8 * h), inv));
+                v[h] = _mm256_min_epi32(_mm256_max_epi32(v[h], low), high);
+                sum = _mm256_add_epi32(sum, v[h]);
+            }
+            // packs interleave 128-bit lanes: 32-bit lane order 0, 4, 1, 5, 2, 6, 3, 7 restores the input order
+            __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(xq + i), bytes);
+        }
+        int32_t parts[8], total = 0;
+        _mm256_storeu_si256((__m256i *)parts, sum);
+        for (int l = 0; l < 8; l++) total += parts[l];
+        xsum[g] = total;
+        xscale[g] = scale;
+    }
+}
+
+// Activation rows x [M, K] -> xq int8 [M, K], xscale fp32 [M, K / group_size], xsum int32 [M, K / group_size]. Also
+// used by fused_decode.c.
+void ascq_quantize_rows_a8(const void *x, int is_bf16, int num_rows, int k, int group_size, int8_t *xq,
+                           float *xscale, int32_t *xsum) {
+    size_t row_bytes = is_bf16 ? 2 : 4, num_groups = k / group_size;
+    for (int m = 0; m < num_rows; m++)
+        quantize_row_a8((const char *)x + m * row_bytes * k, is_bf16, k, group_size, xq + (size_t)m * k,
+                        xscale + m * num_groups, xsum + m * num_groups);
+}
+
+static inline __m256i broadcast_four(const int8_t *x) {
+    int32_t four;
+    memcpy(&four, x, sizeof four);
+    return _mm256_set1_epi32(four);
+}
+
+// One tile (8 output features, 4-bit) against `rows` 8-bit activation rows: out[r] = the 8 outputs of row r.
+// A 32-byte load holds quads q and q + 1. Their masked low and high nibbles interleaved in 16-bit units put each
+// feature's 4 inputs of a quad in 4 adjacent bytes; the 128-bit halves regrouped by quad give one vector per quad
+// (features 0-3 | features 4-7) against its 4 activations broadcast, and _mm256_madd_epi16 with ones sums each
+// feature's two 16-bit lanes into one 32-bit lane. Two quads add at most 4 * 3810 = 15240 per 16-bit lane, so
+// every 32 inputs (4 such steps, 30480) are widened.
+static inline __attribute__((always_inline)) void tile_rows_a8(const uint8_t *w, const void *scales,
+                                                              int scales_bf16, const void *zeros, int zeros_kind,
+                                                              const int8_t *xq, const int32_t *xsum,
+                                                              const float *xscale, int rows, int k, int group_size,
+                                                              __m256 *out) {
+    int num_groups = k / group_size;
+    __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 bias = _mm256_set1_ps(8.f);
+    __m256 total[MAX_ROWS];
+    for (int r = 0; r < rows; r++) total[r] = _mm256_setzero_ps();
+    const uint8_t *wq = w;
+    for (int g = 0; g < num_groups; g++) {
+        __m256i acc[MAX_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+        for (int i0 = g * group_size; i0 < (g + 1) * group_size; i0 += A8_SPAN) {
+            __m256i part[MAX_ROWS];
+            for (int r = 0; r < rows; r++) part[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1  // unrolled, GCC hoists the multiplies of all four steps and spills their results
+            for (int i = i0; i < i0 + A8_SPAN; i += 8, wq += 32) {
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)wq);
+                __m256i low = _mm256_and_si256(bytes, nibble);
+                __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+                __m256i features_low = _mm256_unpacklo_epi16(low, high), features_high = _mm256_unpackhi_epi16(low, high);
+                __m256i quad0 = _mm256_permute2x128_si256(features_low, features_high, 0x20);
+                __m256i quad1 = _mm256_permute2x128_si256(features_low, features_high, 0x31);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *x = xq + (size_t)r * k + i;
+                    __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(quad0, broadcast_four(x)),
+                                                   _mm256_maddubs_epi16(quad1, broadcast_four(x + 4)));
+                    part[r] = _mm256_add_epi16(part[r], sum);
+                }
+            }
+            for (int r = 0; r < rows; r++) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(part[r], ones));
+        }
+        __m256 s = load8_scales(scales, scales_bf16, (size_t)g * TILE);
+        __m256 zu = load8_zu(zeros, zeros_kind, (size_t)g * TILE, bias);
+        for (int r = 0; r < rows; r++) {
+            __m256 sum_x = _mm256_set1_ps((float)xsum[(size_t)r * num_groups + g]);
+            __m256 t = _mm256_fnmadd_ps(zu, sum_x, _mm256_cvtepi32_ps(acc[r]));
+            __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xscale[(size_t)r * num_groups + g]));
+            total[r] = _mm256_fmadd_ps(t, scale, total[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = total[r];
+}
+
+#define TILE_ROWS_A8(rows)                                                                                           \
+    tile_rows_a8(wt, st, scales_bf16, zt, zeros_kind, xq + (size_t)m0 * k, xsum + (size_t)m0 * num_groups,          \
+                 xscale + (size_t)m0 * num_groups, rows, k, group_size, out)
+
+// Output columns [j0, j1) of y [M, N] (j0 a multiple of TILE) from rows quantized by ascq_quantize_rows_a8. Also
+// used by fused_decode.c.
+void ascq_weight_int4_a8_columns(const int8_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w,
+                                 const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
+                                 int num_rows, int n, int k, int group_size, int j0, int j1) {
+    int num_groups = k / group_size;
+    size_t tile_bytes = (size_t)k * 4;
+    for (int j = j0; j < j1; j += TILE) {
+        size_t t = (size_t)j / TILE;
+        const uint8_t *wt = w + t * tile_bytes;
+        const void *st, *zt;
+        tile_qparams(scales, scales_bf16, zeros, zeros_kind, num_groups, t, &st, &zt);
+        int width = j1 - j < TILE ? j1 - j : TILE;
+        for (int m0 = 0; m0 < num_rows; m0 += MAX_ROWS) {
+            int rows = num_rows - m0 < MAX_ROWS ? num_rows - m0 : MAX_ROWS;
+            __m256 out[MAX_ROWS];
+            switch (rows) {  // constant rows inside each inlined copy
+            case 1: TILE_ROWS_A8(1); break;
+            case 2: TILE_ROWS_A8(2); break;
+            case 3: TILE_ROWS_A8(3); break;
+            default: TILE_ROWS_A8(4); break;
+            }
+            for (int r = 0; r < rows; r++) {
+                float *dst = y + (size_t)(m0 + r) * n + j;
+                if (width == TILE) {
+                    _mm256_storeu_ps(dst, out[r]);
+                } else {
+                    float values[TILE];
+                    _mm256_storeu_ps(values, out[r]);
+                    memcpy(dst, values, sizeof(float) * width);
+                }
+            }
+        }
+    }
+}
+
+// As ascq_weight_only_mm for 4-bit weights, with 8-bit activations (per row and group). Returns 0, or -1 on bad
+// input.
+int ascq_weight_int4_a8_mm(const void *x, int is_bf16, const uint8_t *w, const void *scales, int scales_bf16,
+                           const void *zeros, int zeros_kind, float *y, int num_rows, int n, int k, int group_size,
+                           int num_threads) {
+    if (!ascq_weight_only_shapes_ok(4, k, group_size) || num_rows < 1 || n < 1 || num_threads < 1 ||
+        !zeros_ok(zeros, zeros_kind))
+        return -1;
+    int num_groups = k / group_size;
+    int8_t *xq = malloc((size_t)num_rows * k);
+    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)num_rows * num_groups);
+    float *xscale = malloc(sizeof(float) * (size_t)num_rows * num_groups);
+    if (!xq || !xsum || !xscale) {
+        free(xq), free(xsum), free(xscale);
+        return -1;
+    }
+    ascq_quantize_rows_a8(x, is_bf16, num_rows, k, group_size, xq, xscale, xsum);
+    int chunk_columns = ascq_weight_only_chunk_columns(n, num_threads);
+    int num_chunks = (n + chunk_columns - 1) / chunk_columns;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int c = 0; c < num_chunks; c++) {
+        int j0 = c * chunk_columns, j1 = j0 + chunk_columns < n ? j0 + chunk_columns : n;
+        ascq_weight_int4_a8_columns(xq, xsum, xscale, w, scales, scales_bf16, zeros, zeros_kind, y, num_rows, n, k,
+                                    group_size, j0, j1);
+    }
+    free(xq), free(xsum), free(xscale);
+    return 0;
+}
+
 // The dequantized weight (q - zero) * s of the tiled layout, rounded to bf16, into out [n, k] (row-major): for a bf16
 // GEMM on hosts where that is fast (AMX). Same requirements as ascq_weight_only_mm; returns 0, or -1 on bad input.
 int ascq_dequantize_bf16(const uint8_t *w, int bits, const void *scales, int scales_bf16, const void *zeros,

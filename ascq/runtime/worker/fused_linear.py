@@ -44,10 +44,21 @@ def linear_struct(p: cpu.CpuLinear) -> tuple[Linear, int]:
     bias = ptr(p.bias)
     if p.kernel == "dense":
         n, k = p.weight.shape
-        return Linear(0, n, k, 0, 0, 0, p.weight.data_ptr(), None, None, bias), cpu.DENSE_BF16_MAX_M - 1
+        return Linear(0, n, k, 0, 0, 0, 0, p.weight.data_ptr(), None, None, bias), cpu.DENSE_BF16_MAX_M - 1
     w = p.packed
     scales, scales_bf16, zeros, zeros_kind = native.qparam_args(w.scales, w.zeros)
+    a8_min_rows = cpu.w4_a8_min_rows() if w.bits == 4 else 0
     struct = Linear(
-        w.bits, w.n, w.k, w.group_size, scales_bf16, zeros_kind, w.data.data_ptr(), scales, zeros, bias
+        w.bits,
+        w.n,
+        w.k,
+        w.group_size,
+        scales_bf16,
+        zeros_kind,
+        a8_min_rows,
+        w.data.data_ptr(),
+        scales,
+        zeros,
+        bias,
     )
     return struct, cpu.native_max_m() - 1
