@@ -476,7 +476,7 @@ def w4_a8_min_rows() -> int:
 
 def _native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     a8_min_rows = w4_a8_min_rows()
-    if p.packed.bits == 4 and 0 < a8_min_rows <= x.shape[0] and not torch.compiler.is_compiling():
+    if p.packed.bits == 4 and 0 < a8_min_rows <= x.shape[0]:
         y = native.weight_int4_a8_mm(None, x, p.packed)
         return y if p.bias is None else y + p.bias
     uncached = BF16_GEMM_FAST and p.bf16_weight is None

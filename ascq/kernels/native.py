@@ -400,24 +400,38 @@ def _weight_only_mm(
 def weight_int4_a8_mm(lib: ctypes.CDLL | None, x: torch.Tensor, w: PackedWeights) -> torch.Tensor:
     """x [M, K] bf16 or fp32 -> fp32 [M, N] for 4-bit `w`, the activations rounded to 8 bits per row and group
     (scale max|x| / 127) inside the kernel: half the multiplies of `weight_only_mm` (weight_only_mm.c)."""
-    lib = load() if lib is None else lib
     assert w.bits == 4
+    if torch.compiler.is_compiling():
+        return torch.ops.ascq.weight_int4_a8_mm(x, w.data, w.scales, w.zeros, w.group_size, w.n)
+    return _weight_int4_a8_mm(lib, x, w.data, w.scales, w.zeros, w.group_size, w.n)
+
+
+def _weight_int4_a8_mm(
+    lib: ctypes.CDLL | None,
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    n: int,
+) -> torch.Tensor:
+    lib = load() if lib is None else lib
     x = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
-    y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
     status = lib.ascq_weight_int4_a8_mm(
         x.data_ptr(),
         int(x.dtype == torch.bfloat16),
-        w.data.data_ptr(),
-        *qparam_args(w.scales, w.zeros),
+        data.data_ptr(),
+        *qparam_args(scales, zeros),
         y.data_ptr(),
         x.shape[0],
-        w.n,
+        n,
         x.shape[1],
-        w.group_size,
+        group_size,
         torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"4-bit kernel rejected shapes x {tuple(x.shape)}, group size {w.group_size}")
+        raise ValueError(f"4-bit kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
     return y
 
 
@@ -690,18 +704,28 @@ _OPS.define(
     "weight_only_mm(Tensor x, Tensor weight, int bits, Tensor scales, Tensor? zeros, int group_size, int n) "
     "-> Tensor"
 )
+_OPS.define(
+    "weight_int4_a8_mm(Tensor x, Tensor weight, Tensor scales, Tensor? zeros, int group_size, int n) "
+    "-> Tensor"
+)
 _OPS.define("bf16_mm(Tensor x, Tensor weight) -> Tensor")
 _OPS.define(
     "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
     "Tensor seq_lens, float scale, float k_scale, float v_scale) -> Tensor"
 )
 _OPS.impl("weight_only_mm", functools.partial(_weight_only_mm, None), "CPU")
+_OPS.impl("weight_int4_a8_mm", functools.partial(_weight_int4_a8_mm, None), "CPU")
 _OPS.impl("bf16_mm", functools.partial(bf16_mm, None), "CPU")
 _OPS.impl("paged_decode_attention", functools.partial(paged_decode_attention, None), "CPU")
 
 
 @torch.library.register_fake("ascq::weight_only_mm", lib=_OPS)
 def _(x, weight, bits, scales, zeros, group_size, n):
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+@torch.library.register_fake("ascq::weight_int4_a8_mm", lib=_OPS)
+def _(x, weight, scales, zeros, group_size, n):
     return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
 
