@@ -95,9 +95,9 @@ VARIABLES = {
         ),
         EnvVar(
             "ASCQ_W4_ACTIVATION_BITS",
-            "8 (default): the CPU's 4-bit weight-only products of 2 or more rows outside fused decode "
-            "steps round activations to int8 per row and group (as vLLM's CPU AWQ/GPTQ path through IPEX "
-            "does; about 1.5x faster on AVX2); 16: 16-bit fixed point.",
+            "8 (default): the CPU's 4-bit weight-only products of 2 or more rows round activations to "
+            "int8 per row and group (as vLLM's CPU AWQ/GPTQ path through IPEX does; about 1.5x faster on "
+            "AVX2); 16: 16-bit fixed point.",
             _activation_bits,
             8,
         ),

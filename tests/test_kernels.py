@@ -271,10 +271,11 @@ def test_native_int4_kernel_with_int8_activations_is_the_integer_product(group_s
     x = torch.randn(9, k).bfloat16()
     x[:, 5] *= 40  # an outlier channel: its group's scale, not the row's, coarsens
     x[3] = 0  # an all-zero row
-    y = native.weight_int4_a8_mm(None, x, packed)
+    y = native.weight_only_mm(None, x, packed, activation_bits=8)
     expected = int8_activation_product(x, q, scales, zero_points, group_size)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    rows = torch.cat([native.weight_int4_a8_mm(None, x[i : i + 2], packed) for i in range(0, 9, 2)])
+    pairs = [native.weight_only_mm(None, x[i : i + 2], packed, activation_bits=8) for i in range(0, 9, 2)]
+    rows = torch.cat(pairs)
     assert torch.equal(rows, y)  # a row's result does not depend on the other rows
 
 
@@ -287,7 +288,7 @@ def test_cpu_backend_takes_int8_activations_for_4_bit_products_of_several_rows(m
     assert prepared.kernel == "native"
     monkeypatch.setattr(cpu, "BF16_GEMM_FAST", False)
     x = torch.randn(cpu.W4_A8_MIN_M + 3, 256).bfloat16()
-    int8 = (native.weight_int4_a8_mm(None, x, prepared.packed) + prepared.bias).bfloat16()
+    int8 = (native.weight_only_mm(None, x, prepared.packed, activation_bits=8) + prepared.bias).bfloat16()
     int16 = (native.weight_only_mm(None, x, prepared.packed) + prepared.bias).bfloat16()
     assert not torch.equal(int8, int16)
     monkeypatch.setattr(cpu, "W4_ACTIVATION_BITS", 8)

@@ -19,12 +19,10 @@ enum {
 };
 
 // weight_only_mm.c: W4A16 / W8A16 products and bf16 dequantization in the tiled layout (native.pack).
-ASCQ_API int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, const void *scales,
-                                 int scales_bf16, const void *zeros, int zeros_kind, float *y, int num_rows, int n,
-                                 int k, int group_size, int num_threads);
-ASCQ_API int ascq_weight_int4_a8_mm(const void *x, int is_bf16, const uint8_t *w, const void *scales, int scales_bf16,
-                                    const void *zeros, int zeros_kind, float *y, int num_rows, int n, int k,
-                                    int group_size, int num_threads);
+// activation_bits: 16, or 8 (4-bit weights only).
+ASCQ_API int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, int activation_bits,
+                                 const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
+                                 int num_rows, int n, int k, int group_size, int num_threads);
 ASCQ_API int ascq_dequantize_bf16(const uint8_t *w, int bits, const void *scales, int scales_bf16, const void *zeros,
                                   int zeros_kind, uint16_t *out, int n, int k, int group_size, int num_threads);
 // bf16_mm.c: x fp32 [M, K] @ w bf16 [N, K]^T for small M.
@@ -96,14 +94,11 @@ ASCQ_API int ascq_fused_decode(const ascq_fused_model *m, uint16_t *x, uint16_t 
 
 void ascq_quantize_rows(const void *x, int is_bf16, int num_rows, int k, int group_size, int16_t *xq, float *xscale,
                         int32_t *xsum);
-void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w, int bits,
-                              const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
-                              int num_rows, int n, int k, int group_size, int j0, int j1);
+void ascq_weight_only_columns(const void *xq, const int32_t *xsum, const float *xscale, const uint8_t *w, int bits,
+                              int activation_bits, const void *scales, int scales_bf16, const void *zeros,
+                              int zeros_kind, float *y, int num_rows, int n, int k, int group_size, int j0, int j1);
 void ascq_quantize_rows_a8(const void *x, int is_bf16, int num_rows, int k, int group_size, int8_t *xq,
                            float *xscale, int32_t *xsum);
-void ascq_weight_int4_a8_columns(const int8_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w,
-                                 const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
-                                 int num_rows, int n, int k, int group_size, int j0, int j1);
 int ascq_weight_only_shapes_ok(int bits, int k, int group_size);
 int ascq_weight_only_chunk_columns(int n, int num_threads);
 void ascq_bf16_columns(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int j0, int j1);

@@ -11,9 +11,9 @@ Paths (thresholds from `python benchmarks/kernel_speed.py`; measurements in docs
   replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as
   per-token 16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, faster than torch's int4pack at M=1;
   from there dequantize + fp32 GEMM from the packed copy (the only copy kept). 4-bit weights from
-  W4_A8_MIN_M rows run with 8-bit activations per row and group instead (`native.weight_int4_a8_mm`: half
-  the multiplies, about 1.5x the 16-bit kernel and past the fp32 GEMM at every M measured; vLLM's CPU
-  AWQ/GPTQ path through IPEX quantizes activations to int8 per input block too), unless
+  W4_A8_MIN_M rows run with 8-bit activations per row and group instead (`native.weight_only_mm`'s
+  activation_bits=8: half the multiplies, about 1.5x the 16-bit kernel and past the fp32 GEMM at every M
+  measured; vLLM's CPU AWQ/GPTQ path through IPEX quantizes activations to int8 per input block too), unless
   ASCQ_W4_ACTIVATION_BITS=16. Used when the kernel builds here (a C compiler, x86-64 with AVX2/FMA), else
   int4pack / int8pack:
 - `int4pack` (w4a16, out % 16 == 0, group 32/64/128/256, or per channel with in % 32 == 0 via replicated
@@ -477,7 +477,7 @@ def w4_a8_min_rows() -> int:
 def _native_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     a8_min_rows = w4_a8_min_rows()
     if p.packed.bits == 4 and 0 < a8_min_rows <= x.shape[0]:
-        y = native.weight_int4_a8_mm(None, x, p.packed)
+        y = native.weight_only_mm(None, x, p.packed, activation_bits=8)
         return y if p.bias is None else y + p.bias
     uncached = BF16_GEMM_FAST and p.bf16_weight is None
     if x.shape[0] >= (max(native_max_m(), BF16_GEMM_UNCACHED_NATIVE_MAX_M) if uncached else native_max_m()):

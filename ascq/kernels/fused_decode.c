@@ -123,14 +123,10 @@ static void task_columns(const linear_task *task, int j0, int j1) {
     const ascq_fused_linear *p = task->p;
     if (p->kind == 0)
         ascq_bf16_columns(task->in.xf, p->weight, task->y, task->num_rows, p->n, p->k, j0, j1);
-    else if (takes_a8(p, task->num_rows))
-        ascq_weight_int4_a8_columns((const int8_t *)task->in.xq, task->in.xsum, task->in.xscale, p->weight, p->scales,
-                                    p->scales_bf16, p->zeros, p->zeros_kind, task->y, task->num_rows, p->n, p->k,
-                                    p->group_size, j0, j1);
     else
-        ascq_weight_only_columns(task->in.xq, task->in.xsum, task->in.xscale, p->weight, p->kind, p->scales,
-                                 p->scales_bf16, p->zeros, p->zeros_kind, task->y, task->num_rows, p->n, p->k,
-                                 p->group_size, j0, j1);
+        ascq_weight_only_columns(task->in.xq, task->in.xsum, task->in.xscale, p->weight, p->kind,
+                                 takes_a8(p, task->num_rows) ? 8 : 16, p->scales, p->scales_bf16, p->zeros,
+                                 p->zeros_kind, task->y, task->num_rows, p->n, p->k, p->group_size, j0, j1);
 }
 
 // The output columns of the tasks' linears in chunks taken by whichever thread is free (on a shared machine a

@@ -359,11 +359,16 @@ def qparam_args(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[int, 
     )
 
 
-def weight_only_mm(lib: ctypes.CDLL | None, x: torch.Tensor, w: PackedWeights) -> torch.Tensor:
-    """x [M, K] bf16 or fp32 -> fp32 [M, N]."""
+def weight_only_mm(
+    lib: ctypes.CDLL | None, x: torch.Tensor, w: PackedWeights, activation_bits: int = 16
+) -> torch.Tensor:
+    """x [M, K] bf16 or fp32 -> fp32 [M, N]. activation_bits 8 (4-bit `w` only): the activations rounded to
+    8 bits per row and group (scale max|x| / 127) inside the kernel, half the multiplies of 16
+    (weight_only_mm.c)."""
+    args = (x, w.data, w.bits, w.scales, w.zeros, w.group_size, w.n, activation_bits)
     if torch.compiler.is_compiling():
-        return torch.ops.ascq.weight_only_mm(x, w.data, w.bits, w.scales, w.zeros, w.group_size, w.n)
-    return _weight_only_mm(lib, x, w.data, w.bits, w.scales, w.zeros, w.group_size, w.n)
+        return torch.ops.ascq.weight_only_mm(*args)
+    return _weight_only_mm(lib, *args)
 
 
 def _weight_only_mm(
@@ -375,6 +380,7 @@ def _weight_only_mm(
     zeros: torch.Tensor | None,
     group_size: int,
     n: int,
+    activation_bits: int,
 ) -> torch.Tensor:
     lib = load() if lib is None else lib
     x = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
@@ -384,6 +390,7 @@ def _weight_only_mm(
         int(x.dtype == torch.bfloat16),
         data.data_ptr(),
         bits,
+        activation_bits,
         *qparam_args(scales, zeros),
         y.data_ptr(),
         x.shape[0],
@@ -393,45 +400,10 @@ def _weight_only_mm(
         torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"{bits}-bit kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
-    return y
-
-
-def weight_int4_a8_mm(lib: ctypes.CDLL | None, x: torch.Tensor, w: PackedWeights) -> torch.Tensor:
-    """x [M, K] bf16 or fp32 -> fp32 [M, N] for 4-bit `w`, the activations rounded to 8 bits per row and group
-    (scale max|x| / 127) inside the kernel: half the multiplies of `weight_only_mm` (weight_only_mm.c)."""
-    assert w.bits == 4
-    if torch.compiler.is_compiling():
-        return torch.ops.ascq.weight_int4_a8_mm(x, w.data, w.scales, w.zeros, w.group_size, w.n)
-    return _weight_int4_a8_mm(lib, x, w.data, w.scales, w.zeros, w.group_size, w.n)
-
-
-def _weight_int4_a8_mm(
-    lib: ctypes.CDLL | None,
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | None,
-    group_size: int,
-    n: int,
-) -> torch.Tensor:
-    lib = load() if lib is None else lib
-    x = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    status = lib.ascq_weight_int4_a8_mm(
-        x.data_ptr(),
-        int(x.dtype == torch.bfloat16),
-        data.data_ptr(),
-        *qparam_args(scales, zeros),
-        y.data_ptr(),
-        x.shape[0],
-        n,
-        x.shape[1],
-        group_size,
-        torch.get_num_threads(),
-    )
-    if status != 0:
-        raise ValueError(f"4-bit kernel rejected shapes x {tuple(x.shape)}, group size {group_size}")
+        raise ValueError(
+            f"{bits}-bit kernel with {activation_bits}-bit activations rejected shapes x {tuple(x.shape)}, "
+            f"group size {group_size}"
+        )
     return y
 
 
@@ -701,12 +673,8 @@ def paged_decode_attention(
 # kernel calls per layer.
 _OPS = torch.library.Library("ascq", "DEF")
 _OPS.define(
-    "weight_only_mm(Tensor x, Tensor weight, int bits, Tensor scales, Tensor? zeros, int group_size, int n) "
-    "-> Tensor"
-)
-_OPS.define(
-    "weight_int4_a8_mm(Tensor x, Tensor weight, Tensor scales, Tensor? zeros, int group_size, int n) "
-    "-> Tensor"
+    "weight_only_mm(Tensor x, Tensor weight, int bits, Tensor scales, Tensor? zeros, int group_size, int n, "
+    "int activation_bits) -> Tensor"
 )
 _OPS.define("bf16_mm(Tensor x, Tensor weight) -> Tensor")
 _OPS.define(
@@ -714,18 +682,12 @@ _OPS.define(
     "Tensor seq_lens, float scale, float k_scale, float v_scale) -> Tensor"
 )
 _OPS.impl("weight_only_mm", functools.partial(_weight_only_mm, None), "CPU")
-_OPS.impl("weight_int4_a8_mm", functools.partial(_weight_int4_a8_mm, None), "CPU")
 _OPS.impl("bf16_mm", functools.partial(bf16_mm, None), "CPU")
 _OPS.impl("paged_decode_attention", functools.partial(paged_decode_attention, None), "CPU")
 
 
 @torch.library.register_fake("ascq::weight_only_mm", lib=_OPS)
-def _(x, weight, bits, scales, zeros, group_size, n):
-    return x.new_empty((x.shape[0], n), dtype=torch.float32)
-
-
-@torch.library.register_fake("ascq::weight_int4_a8_mm", lib=_OPS)
-def _(x, weight, scales, zeros, group_size, n):
+def _(x, weight, bits, scales, zeros, group_size, n, activation_bits):
     return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
 

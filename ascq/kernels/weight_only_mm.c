@@ -170,115 +170,18 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
 }
 
 #define TILE_ROWS(rows, bits)                                                                                        \
-    tile_rows(wt, st, scales_bf16, zt, zeros_kind, bits, xq + (size_t)m0 * k, xsum + (size_t)m0 * num_groups,        \
+    tile_rows(wt, st, scales_bf16, zt, zeros_kind, bits, xq16 + (size_t)m0 * k, xsum + (size_t)m0 * num_groups,      \
               xscale + m0, rows, k, group_size, out)
 
-// Activation rows x [M, K] (fp32, or bf16 when is_bf16) -> xq int16 [M, K], xscale [M], xsum int32 [M, K/group_size].
-void ascq_quantize_rows(const void *x, int is_bf16, int num_rows, int k, int group_size, int16_t *xq, float *xscale,
-                        int32_t *xsum) {
-    size_t row_bytes = is_bf16 ? 2 : 4;
-    for (int m = 0; m < num_rows; m++)
-        quantize_row((const char *)x + m * row_bytes * k, is_bf16, k, group_size, xq + (size_t)m * k, xscale + m,
-                     xsum + (size_t)m * (k / group_size));
-}
-
-// Output columns [j0, j1) of y [M, N] (j0 a multiple of TILE) from rows quantized by ascq_quantize_rows. Also used by
-// fused_decode.c.
-void ascq_weight_only_columns(const int16_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w, int bits,
-                              const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
-                              int num_rows, int n, int k, int group_size, int j0, int j1) {
-    int num_groups = k / group_size;
-    size_t tile_bytes = (size_t)k * bits;
-    for (int j = j0; j < j1; j += TILE) {
-        size_t t = (size_t)j / TILE;
-        const uint8_t *wt = w + t * tile_bytes;
-        const void *st, *zt;
-        tile_qparams(scales, scales_bf16, zeros, zeros_kind, num_groups, t, &st, &zt);
-        int width = j1 - j < TILE ? j1 - j : TILE;
-        for (int m0 = 0; m0 < num_rows; m0 += MAX_ROWS) {
-            int rows = num_rows - m0 < MAX_ROWS ? num_rows - m0 : MAX_ROWS;
-            __m256 out[MAX_ROWS];
-            switch (rows * 16 + bits) {  // constant rows and bits inside each inlined copy
-            case 16 + 4: TILE_ROWS(1, 4); break;
-            case 32 + 4: TILE_ROWS(2, 4); break;
-            case 48 + 4: TILE_ROWS(3, 4); break;
-            case 64 + 4: TILE_ROWS(4, 4); break;
-            case 16 + 8: TILE_ROWS(1, 8); break;
-            case 32 + 8: TILE_ROWS(2, 8); break;
-            case 48 + 8: TILE_ROWS(3, 8); break;
-            default: TILE_ROWS(4, 8); break;
-            }
-            for (int r = 0; r < rows; r++) {
-                float *dst = y + (size_t)(m0 + r) * n + j;
-                if (width == TILE) {
-                    _mm256_storeu_ps(dst, out[r]);
-                } else {
-                    float values[TILE];
-                    _mm256_storeu_ps(values, out[r]);
-                    memcpy(dst, values, sizeof(float) * width);
-                }
-            }
-        }
-    }
-}
-
-// Columns per chunk of an n-column product (whole tiles): CHUNKS_PER_THREAD chunks per thread. A chunk's weights
-// are one contiguous run, and at M = 1 the weights come from DRAM (a decode step streams more than the L3 holds),
-// where long runs matter: two chunks per thread with a 4 KiB prefetch beat 8-tile chunks with 1 KiB clearly on
-// SmolLM2's linears at M = 1 (docs/benchmarks.md).
-int ascq_weight_only_chunk_columns(int n, int num_threads) {
-    int num_tiles = (n + TILE - 1) / TILE, num_chunks = CHUNKS_PER_THREAD * num_threads;
-    return (num_tiles + num_chunks - 1) / num_chunks * TILE;
-}
-
-// Whether ascq_weight_only_mm accepts these shapes.
-int ascq_weight_only_shapes_ok(int bits, int k, int group_size) {
-    int max_group = bits == 4 ? 4096 : 2048;
-    return (bits == 4 || bits == 8) && !(k % 32) && !(group_size % 32) && group_size > 0 && !(k % group_size) &&
-           group_size <= max_group;
-}
-
-// x [M, K] (fp32, or bf16 when is_bf16) -> y [M, N] fp32. w, scales, zeros: the tiled layout above (zeros NULL:
-// symmetric; zeros_kind says their type). num_threads: torch.get_num_threads() of the caller.
-// Requires K % 32 == 0, group_size % 32 == 0, K % group_size == 0, group_size <= 4096 (2048 at 8 bits).
-// Returns 0, or -1 on bad input.
-int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, const void *scales, int scales_bf16,
-                        const void *zeros, int zeros_kind, float *y, int num_rows, int n, int k, int group_size,
-                        int num_threads) {
-    if (!ascq_weight_only_shapes_ok(bits, k, group_size) || num_rows < 1 || n < 1 || num_threads < 1 ||
-        !zeros_ok(zeros, zeros_kind))
-        return -1;
-    int num_groups = k / group_size;
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)num_rows * k);
-    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)num_rows * num_groups);
-    float *xscale = malloc(sizeof(float) * (size_t)num_rows);
-    if (!xq || !xsum || !xscale) {
-        free(xq), free(xsum), free(xscale);
-        return -1;
-    }
-    ascq_quantize_rows(x, is_bf16, num_rows, k, group_size, xq, xscale, xsum);
-    int chunk_columns = ascq_weight_only_chunk_columns(n, num_threads);
-    int num_chunks = (n + chunk_columns - 1) / chunk_columns;
-    // chunks taken by whichever thread is free: a descheduled thread (a shared machine) delays only its chunk
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-    for (int c = 0; c < num_chunks; c++) {
-        int j0 = c * chunk_columns, j1 = j0 + chunk_columns < n ? j0 + chunk_columns : n;
-        ascq_weight_only_columns(xq, xsum, xscale, w, bits, scales, scales_bf16, zeros, zeros_kind, y, num_rows, n,
-                                 k, group_size, j0, j1);
-    }
-    free(xq), free(xsum), free(xscale);
-    return 0;
-}
-
-// ---- 4-bit weights against 8-bit activations (the large-M path) --------------------------------------------
+// ---- 4-bit weights against 8-bit activations (products of several rows) -------------------------------------
 // AVX2 has no wider integer multiply than _mm256_madd_epi16 (16 products), and on Zen 2 it issues on one port: the
-// 16-bit path above runs at that port's limit (74 GFLOP/s per thread, docs/benchmarks.md). _mm256_maddubs_epi16
+// 16-bit tile_rows above runs at that port's limit (74 GFLOP/s per thread, docs/benchmarks.md). _mm256_maddubs_epi16
 // multiplies 32 unsigned x signed byte pairs on the same port, so with activations in 8 bits (per row and group:
 // scale = max|x| / 127, values in [-127, 127]) and the offset-binary nibbles u in [0, 15] a tile costs half the
 // multiplies. The layout needs no change: masked, the low nibbles of a quad are each feature's first input pair in
 // one 16-bit lane per feature, the high nibbles its second pair. A pair sum is at most 2 * 15 * 127 = 3810, so
-// eight of them add exactly in 16 bits (30480): each span of 64 inputs is summed in two 16-bit accumulators, then
-// widened. vLLM's CPU AWQ / GPTQ path (IPEX, WoqLowpMode.INT8) also quantizes activations per input block to int8.
+// spans of inputs add exactly in 16 bits before they are widened (tile_rows_a8). vLLM's CPU AWQ / GPTQ path (IPEX,
+// WoqLowpMode.INT8) also quantizes activations per input block to int8.
 #define A8_SPAN 32  // inputs per 16-bit accumulation
 
 // One row's 8-bit values, per-group scales and per-group sums of the values (group_size % 32 == 0).
@@ -386,16 +289,30 @@ static inline __attribute__((always_inline)) void tile_rows_a8(const uint8_t *w,
 }
 
 #define TILE_ROWS_A8(rows)                                                                                           \
-    tile_rows_a8(wt, st, scales_bf16, zt, zeros_kind, xq + (size_t)m0 * k, xsum + (size_t)m0 * num_groups,          \
+    tile_rows_a8(wt, st, scales_bf16, zt, zeros_kind, xq8 + (size_t)m0 * k, xsum + (size_t)m0 * num_groups,         \
                  xscale + (size_t)m0 * num_groups, rows, k, group_size, out)
 
-// Output columns [j0, j1) of y [M, N] (j0 a multiple of TILE) from rows quantized by ascq_quantize_rows_a8. Also
-// used by fused_decode.c.
-void ascq_weight_int4_a8_columns(const int8_t *xq, const int32_t *xsum, const float *xscale, const uint8_t *w,
-                                 const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
-                                 int num_rows, int n, int k, int group_size, int j0, int j1) {
+// ---- the products, with either activation width ------------------------------------------------------------------
+
+// Activation rows x [M, K] (fp32, or bf16 when is_bf16) -> xq int16 [M, K], xscale [M], xsum int32 [M, K/group_size].
+void ascq_quantize_rows(const void *x, int is_bf16, int num_rows, int k, int group_size, int16_t *xq, float *xscale,
+                        int32_t *xsum) {
+    size_t row_bytes = is_bf16 ? 2 : 4;
+    for (int m = 0; m < num_rows; m++)
+        quantize_row((const char *)x + m * row_bytes * k, is_bf16, k, group_size, xq + (size_t)m * k, xscale + m,
+                     xsum + (size_t)m * (k / group_size));
+}
+
+// Output columns [j0, j1) of y [M, N] (j0 a multiple of TILE) from rows quantized by ascq_quantize_rows
+// (activation_bits 16: xq int16, xscale per row) or, for 4-bit weights, ascq_quantize_rows_a8 (activation_bits 8: xq
+// int8, xscale per row and group). Also used by fused_decode.c.
+void ascq_weight_only_columns(const void *xq, const int32_t *xsum, const float *xscale, const uint8_t *w, int bits,
+                              int activation_bits, const void *scales, int scales_bf16, const void *zeros,
+                              int zeros_kind, float *y, int num_rows, int n, int k, int group_size, int j0, int j1) {
     int num_groups = k / group_size;
-    size_t tile_bytes = (size_t)k * 4;
+    size_t tile_bytes = (size_t)k * bits;
+    const int16_t *xq16 = xq;
+    const int8_t *xq8 = xq;
     for (int j = j0; j < j1; j += TILE) {
         size_t t = (size_t)j / TILE;
         const uint8_t *wt = w + t * tile_bytes;
@@ -405,11 +322,20 @@ void ascq_weight_int4_a8_columns(const int8_t *xq, const int32_t *xsum, const fl
         for (int m0 = 0; m0 < num_rows; m0 += MAX_ROWS) {
             int rows = num_rows - m0 < MAX_ROWS ? num_rows - m0 : MAX_ROWS;
             __m256 out[MAX_ROWS];
-            switch (rows) {  // constant rows inside each inlined copy
+            // constant rows and bits inside each inlined copy
+            switch (activation_bits == 8 ? rows : rows * 16 + bits) {
             case 1: TILE_ROWS_A8(1); break;
             case 2: TILE_ROWS_A8(2); break;
             case 3: TILE_ROWS_A8(3); break;
-            default: TILE_ROWS_A8(4); break;
+            case 4: TILE_ROWS_A8(4); break;
+            case 16 + 4: TILE_ROWS(1, 4); break;
+            case 32 + 4: TILE_ROWS(2, 4); break;
+            case 48 + 4: TILE_ROWS(3, 4); break;
+            case 64 + 4: TILE_ROWS(4, 4); break;
+            case 16 + 8: TILE_ROWS(1, 8); break;
+            case 32 + 8: TILE_ROWS(2, 8); break;
+            case 48 + 8: TILE_ROWS(3, 8); break;
+            default: TILE_ROWS(4, 8); break;
             }
             for (int r = 0; r < rows; r++) {
                 float *dst = y + (size_t)(m0 + r) * n + j;
@@ -425,30 +351,54 @@ void ascq_weight_int4_a8_columns(const int8_t *xq, const int32_t *xsum, const fl
     }
 }
 
-// As ascq_weight_only_mm for 4-bit weights, with 8-bit activations (per row and group). Returns 0, or -1 on bad
-// input.
-int ascq_weight_int4_a8_mm(const void *x, int is_bf16, const uint8_t *w, const void *scales, int scales_bf16,
-                           const void *zeros, int zeros_kind, float *y, int num_rows, int n, int k, int group_size,
-                           int num_threads) {
-    if (!ascq_weight_only_shapes_ok(4, k, group_size) || num_rows < 1 || n < 1 || num_threads < 1 ||
-        !zeros_ok(zeros, zeros_kind))
+// Columns per chunk of an n-column product (whole tiles): CHUNKS_PER_THREAD chunks per thread. A chunk's weights
+// are one contiguous run, and at M = 1 the weights come from DRAM (a decode step streams more than the L3 holds),
+// where long runs matter: two chunks per thread with a 4 KiB prefetch beat 8-tile chunks with 1 KiB clearly on
+// SmolLM2's linears at M = 1 (docs/benchmarks.md).
+int ascq_weight_only_chunk_columns(int n, int num_threads) {
+    int num_tiles = (n + TILE - 1) / TILE, num_chunks = CHUNKS_PER_THREAD * num_threads;
+    return (num_tiles + num_chunks - 1) / num_chunks * TILE;
+}
+
+// Whether ascq_weight_only_mm accepts these shapes.
+int ascq_weight_only_shapes_ok(int bits, int k, int group_size) {
+    int max_group = bits == 4 ? 4096 : 2048;
+    return (bits == 4 || bits == 8) && !(k % 32) && !(group_size % 32) && group_size > 0 && !(k % group_size) &&
+           group_size <= max_group;
+}
+
+// x [M, K] (fp32, or bf16 when is_bf16) -> y [M, N] fp32. w, scales, zeros: the tiled layout above (zeros NULL:
+// symmetric; zeros_kind says their type). activation_bits: 16, or 8 for 4-bit weights (see the section above).
+// num_threads: torch.get_num_threads() of the caller.
+// Requires K % 32 == 0, group_size % 32 == 0, K % group_size == 0, group_size <= 4096 (2048 at 8 bits).
+// Returns 0, or -1 on bad input.
+int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, int activation_bits,
+                        const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y, int num_rows,
+                        int n, int k, int group_size, int num_threads) {
+    int a8 = activation_bits == 8;
+    if (!ascq_weight_only_shapes_ok(bits, k, group_size) || num_rows < 1 || n < 1 || num_threads < 1 ||
+        !zeros_ok(zeros, zeros_kind) || !(activation_bits == 16 || (a8 && bits == 4)))
         return -1;
     int num_groups = k / group_size;
-    int8_t *xq = malloc((size_t)num_rows * k);
+    void *xq = malloc((size_t)num_rows * k * (a8 ? sizeof(int8_t) : sizeof(int16_t)));
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)num_rows * num_groups);
-    float *xscale = malloc(sizeof(float) * (size_t)num_rows * num_groups);
+    float *xscale = malloc(sizeof(float) * (size_t)num_rows * (a8 ? num_groups : 1));
     if (!xq || !xsum || !xscale) {
         free(xq), free(xsum), free(xscale);
         return -1;
     }
-    ascq_quantize_rows_a8(x, is_bf16, num_rows, k, group_size, xq, xscale, xsum);
+    if (a8)
+        ascq_quantize_rows_a8(x, is_bf16, num_rows, k, group_size, xq, xscale, xsum);
+    else
+        ascq_quantize_rows(x, is_bf16, num_rows, k, group_size, xq, xscale, xsum);
     int chunk_columns = ascq_weight_only_chunk_columns(n, num_threads);
     int num_chunks = (n + chunk_columns - 1) / chunk_columns;
+    // chunks taken by whichever thread is free: a descheduled thread (a shared machine) delays only its chunk
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int c = 0; c < num_chunks; c++) {
         int j0 = c * chunk_columns, j1 = j0 + chunk_columns < n ? j0 + chunk_columns : n;
-        ascq_weight_int4_a8_columns(xq, xsum, xscale, w, scales, scales_bf16, zeros, zeros_kind, y, num_rows, n, k,
-                                    group_size, j0, j1);
+        ascq_weight_only_columns(xq, xsum, xscale, w, bits, activation_bits, scales, scales_bf16, zeros, zeros_kind,
+                                 y, num_rows, n, k, group_size, j0, j1);
     }
     free(xq), free(xsum), free(xscale);
     return 0;
