@@ -248,7 +248,7 @@ def driver(args: argparse.Namespace) -> None:
         return perplexity(lambda b: model(b).logits, eval_ids)
 
     if json.loads((fixture / "config.json").read_text())["model_type"] == "deepseek":  # no transformers class
-        from ascq.models.deepseek_moe import load_deepseek
+        from ascq.reference.deepseek_moe import load_deepseek
 
         reference = load_deepseek(fixture)
         fp_ppl = perplexity(lambda b: reference(b), eval_ids)

@@ -109,7 +109,7 @@ def random_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from ascq.models.deepseek_moe import DeepseekConfig, DeepseekForCausalLM
+    from ascq.reference.deepseek_moe import DeepseekConfig, DeepseekForCausalLM
 
     path = tmp_path_factory.mktemp("random-deepseek")
     config = DeepseekConfig(

@@ -75,7 +75,7 @@ def test_names_and_shapes_are_the_reference_models(variant):
 
 
 def test_deepseek_reference_model_holds_the_same_tensors():
-    from ascq.models.deepseek_moe import DeepseekForCausalLM
+    from ascq.reference.deepseek_moe import DeepseekForCausalLM
 
     with torch.device("meta"):
         model = DeepseekForCausalLM(DeepseekConfig.from_dict(DEEPSEEK))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ascq.core.errors import AscqError
-from ascq.models.deepseek_moe import DeepseekConfig, DeepseekForCausalLM, DeepseekMoE, load_deepseek
+from ascq.reference.deepseek_moe import DeepseekConfig, DeepseekForCausalLM, DeepseekMoE, load_deepseek
 
 TINY = dict(
     vocab_size=64,

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from ascq.evaluate import load_eval_token_ids, perplexity
 from ascq.formats.manifest import read_manifest, verify_files
-from ascq.models.deepseek_moe import load_deepseek
+from ascq.reference.deepseek_moe import load_deepseek
 
 MAX_FILE_BYTES = 20 * 1024 * 1024
 

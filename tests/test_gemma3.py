@@ -157,7 +157,7 @@ def test_windowed_layers_never_read_blocks_past_the_window():
 
 
 def test_awq_fold_into_offset_norm_keeps_the_function():
-    from ascq.models.decoder import GemmaRMSNorm
+    from ascq.reference.decoder import GemmaRMSNorm
 
     torch.manual_seed(0)
     norm, linear = GemmaRMSNorm(16, 1e-6), torch.nn.Linear(16, 8, bias=False)

@@ -17,7 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ascq.platforms",),
     ("ascq.formats",),
     ("ascq.kernels",),
-    ("ascq.models", "ascq.evaluate"),
+    ("ascq.reference", "ascq.evaluate"),
     ("ascq.quantize",),
     ("ascq.zoo",),
     ("ascq.runtime.sampling",),

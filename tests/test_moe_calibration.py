@@ -14,14 +14,14 @@ from torch import nn
 from ascq.evaluate import eval_windows, load_eval_token_ids
 from ascq.formats.manifest import read_manifest, verify_files
 from ascq.formats.safetensors import CheckpointReader
-from ascq.models.decoder import MLP as DeepseekMLP
-from ascq.models.deepseek_moe import load_deepseek
 from ascq.quantize.architectures import load_architecture
 from ascq.quantize.gptq_modifier import GPTQModifier
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.moe_coverage import ExpertCoverage, dense_mlp_inputs
 from ascq.quantize.outlier_stress import write_outlier_stress
 from ascq.quantize.schemes import RecipeError, resolve_target
+from ascq.reference.decoder import MLP as DeepseekMLP
+from ascq.reference.deepseek_moe import load_deepseek
 
 
 def _tensors(entry) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 import transformers
 from engine_helpers import make_engine, run_batch
 
-from ascq.models.deepseek_moe import load_deepseek
+from ascq.reference.deepseek_moe import load_deepseek
 from ascq.runtime.engine.llm_engine import LLMEngine
 from ascq.runtime.sampling.sampling_params import SamplingParams
 

@@ -154,7 +154,7 @@ def test_moe_awq_greedy_agreement_with_fp_not_below_rtn(converted_entry, tiny_de
     import torch
 
     from ascq.evaluate import load_eval_token_ids
-    from ascq.models.deepseek_moe import load_deepseek
+    from ascq.reference.deepseek_moe import load_deepseek
 
     base = tiny_deepseek_moe_dir
     stream = load_eval_token_ids(base)

@@ -39,7 +39,7 @@ def payload_bytes(entry: Path) -> int:
 
 
 def test_deepseek_moe_16b_tensors_and_parameter_count_match_the_reference_model() -> None:
-    from ascq.models.deepseek_moe import DeepseekConfig, DeepseekDecoderLayer, DeepseekForCausalLM
+    from ascq.reference.deepseek_moe import DeepseekConfig, DeepseekDecoderLayer, DeepseekForCausalLM
 
     # layer 0 dense, layer 1 MoE, as in all 28
     two_layers = dict(deepseek_moe_16b.CONFIG, num_hidden_layers=2)

@@ -2,10 +2,10 @@
 smoothing / balance mappings SmoothQuant and AWQ read (data, in llm-compressor's shape: smooth_layer ->
 balance_layers).
 
-Every family runs ascq's plain-PyTorch reference layer (`ascq.models.decoder.DecoderLayer`; DeepSeek-MoE v1
-with `ascq.models.deepseek_moe.DeepseekMoE` as its MLP; Gemma 3: `ascq.models.gemma3.Gemma3DecoderLayer`),
-which shares RMSNorm, rotary, router and attention with the runtime; transformers stays the Llama and
-Gemma 3 reference in the tests. Everything keeps Hugging Face names.
+Every family runs ascq's plain-PyTorch reference layer (`ascq.reference.decoder.DecoderLayer`;
+DeepSeek-MoE v1 with `ascq.reference.deepseek_moe.DeepseekMoE` as its MLP; Gemma 3:
+`ascq.reference.gemma3.Gemma3DecoderLayer`), which shares RMSNorm, rotary, router and attention with the
+runtime; transformers stays the Llama and Gemma 3 reference in the tests. Everything keeps Hugging Face names.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ascq.core.architecture import GEMMA3, LLAMA_FAMILY, MODEL_TYPES, check_llam
 from ascq.core.errors import AscqError, UnsupportedError
 from ascq.core.norm import gemma_rms_norm, rms_norm
 from ascq.core.tensors import tie_word_embeddings
-from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, KVHook, rotary_for
+from ascq.reference.decoder import MLP, AttentionShape, DecoderLayer, KVHook, rotary_for
 
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 
@@ -255,7 +255,7 @@ class DeepseekMoEArch(Architecture):
         return DEEPSEEK_MOE_MAPPINGS if self.ds_config.is_moe_layer(index) else LLAMA_MAPPINGS
 
     def new_layer(self, index: int) -> nn.Module:
-        from ascq.models.deepseek_moe import DeepseekDecoderLayer
+        from ascq.reference.deepseek_moe import DeepseekDecoderLayer
 
         return DeepseekDecoderLayer(self.ds_config, index)
 
@@ -269,7 +269,7 @@ class Gemma3Arch(Architecture):
         gemma3.check_config(config)
 
     def new_layer(self, index: int) -> nn.Module:
-        from ascq.models.gemma3 import Gemma3DecoderLayer
+        from ascq.reference.gemma3 import Gemma3DecoderLayer
 
         return Gemma3DecoderLayer(self.config, index)
 

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from ascq.core.errors import AscqError
 from ascq.formats.manifest import new_manifest, staged_entry, write_manifest
-from ascq.models.deepseek_moe import load_state_dict_files
+from ascq.reference.deepseek_moe import load_state_dict_files
 
 DEFAULT_K = 30.0
 DEFAULT_NUM_CHANNELS = 4

@@ -20,7 +20,7 @@ from ascq.core.deepseek_config import DeepseekConfig
 from ascq.core.errors import AscqError
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels.reference import select_experts
-from ascq.models.decoder import MLP, AttentionShape, DecoderLayer, RMSNorm, rotary_for
+from ascq.reference.decoder import MLP, AttentionShape, DecoderLayer, RMSNorm, rotary_for
 
 __all__ = ["DeepseekConfig", "DeepseekDecoderLayer", "DeepseekForCausalLM", "DeepseekMoE", "load_deepseek"]
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ascq.core import gemma3
-from ascq.models.decoder import MLP, Attention, AttentionShape, GemmaRMSNorm, KVHook, rotary_for
+from ascq.reference.decoder import MLP, Attention, AttentionShape, GemmaRMSNorm, KVHook, rotary_for
 
 
 class Gemma3Attention(Attention):
