@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ascq.core.deepseek_config import DeepseekConfig
+from ascq.core.families.deepseek import DeepseekConfig
 from ascq.core.tensors import checkpoint_tensors
 from ascq.formats.safetensors import CheckpointReader
 from ascq.quantize.architectures import architecture_from_config

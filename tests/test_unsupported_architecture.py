@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ascq.core.architecture import MODEL_TYPES
+from ascq.core.families.registry import SUPPORTED_MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def _assert_one_line_refusal(proc: subprocess.CompletedProcess, model_type: str)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert f"model_type '{model_type}' is not supported" in lines[0]
-    assert all(family in lines[0] for family in MODEL_TYPES), lines[0]
+    assert all(family in lines[0] for family in SUPPORTED_MODEL_TYPES), lines[0]
 
 
 @pytest.mark.parametrize("model_type", ["falcon", "foo"])

@@ -1,25 +1,13 @@
-"""The architecture facts every layer reads from a config.json: the supported families, the attention head
-size, which modules are never quantized, and how tensor / pipeline parallelism cut each weight."""
+"""The architecture facts every layer reads from a config.json, whatever the family (the families themselves:
+`ascq.core.families`): the attention head size, which modules are never quantized, and how tensor / pipeline
+parallelism cut each weight."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from ascq.core.errors import AscqError, UnsupportedError
-
-# config.json `model_type` -> the Hugging Face class-name prefix (`{prefix}ForCausalLM` in `architectures`)
-MODEL_TYPES = {
-    "llama": "Llama",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "deepseek": "Deepseek",
-    "gemma3_text": "Gemma3",
-}
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-GEMMA3 = "gemma3_text"
-# GGUF `general.architecture` names that differ from transformers' model_type (the others are the same)
-GGUF_ARCHITECTURES = {"gemma3": GEMMA3}
+from ascq.core.errors import AscqError
 
 # The `ignore` default of every recipe that names none (llm-compressor's): the LM head and the MoE router
 # (`mlp.gate`, whose logits pick the experts) stay full precision in every family.
@@ -41,25 +29,6 @@ def head_dim_of(config: dict[str, Any]) -> int:
     """The attention head size: the config's `head_dim`, else hidden_size / num_attention_heads (the one
     rule)."""
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-
-
-def model_type_of_gguf(architecture: Any) -> Any:
-    """transformers' model_type for a GGUF file's `general.architecture`."""
-    return GGUF_ARCHITECTURES.get(architecture, architecture)
-
-
-def check_llama_config(config: dict[str, Any]) -> None:
-    if config.get("hidden_act", "silu") != "silu":
-        raise UnsupportedError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
-    if (
-        config.get("sliding_window")
-        and config.get("use_sliding_window", True)
-        and config.get("model_type") == "mistral"
-    ):
-        if config["sliding_window"] < config.get("max_position_embeddings", 0):
-            raise UnsupportedError(
-                "sliding-window attention is not supported; set max_model_len <= sliding_window"
-            )
 
 
 def divide(numerator: int, denominator: int) -> int:

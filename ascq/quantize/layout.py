@@ -10,15 +10,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ascq.quantize.architectures import Architecture, DeepseekMoEArch
+from ascq.quantize.architectures import Architecture
 
 Shape = tuple[int, ...]
 
 
 def layer_kind(arch: Architecture, index: int) -> str:
-    """ "moe" or "dense": everything a decoder layer's tensor names and shapes depend on
-    (DeepseekConfig.is_moe_layer is the one dense/MoE rule)."""
-    return "moe" if isinstance(arch, DeepseekMoEArch) and arch.ds_config.is_moe_layer(index) else "dense"
+    """ "moe" or "dense": everything a decoder layer's tensor names and shapes depend on (the family's
+    `is_moe_layer` is the one dense/MoE rule)."""
+    return "moe" if arch.is_moe_layer(index) else "dense"
 
 
 def decoder_linears(arch: Architecture) -> Iterator[tuple[str, nn.Linear]]:

@@ -82,7 +82,8 @@ class GemmaRMSNorm(RMSNorm):
 
 class Attention(nn.Module):
     """`scale`: the query scale (head_dim ** -0.5 unless a family sets it); `sliding_window`: keys at most
-    this many positions back are seen (None: all)."""
+    this many positions back are seen (None: all); `qk_norm`: the norm class of the per-head q and k norms
+    (`q_norm`, `k_norm`, before rotary; None: none), of epsilon `eps`."""
 
     def __init__(
         self,
@@ -90,6 +91,8 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         scale: float | None = None,
         sliding_window: int | None = None,
+        qk_norm: type[RMSNorm] | None = None,
+        eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.shape = shape
@@ -105,6 +108,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=shape.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=shape.o_bias)
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            self.q_norm, self.k_norm = qk_norm(shape.head_dim, eps), qk_norm(shape.head_dim, eps)
         # the converter's calibration forwards (`pipeline.fast_layer`): torch's fused causal attention in this
         # dtype, several times faster on the CPU, equal to `causal_attention` up to float rounding (not bit
         # for bit); None: off
@@ -154,8 +160,11 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(batch, seq, -1))
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k [batch, heads, seq, head_dim] before rotary: unchanged here (Gemma 3 RMS-norms them)."""
-        return q, k
+        """q, k [batch, heads, seq, head_dim] before rotary: RMS-normed per head when the family has q/k norms
+        (Qwen 3, Gemma 3), else unchanged."""
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
@@ -188,10 +197,15 @@ class DecoderLayer(nn.Module):
     post_attention_layernorm)."""
 
     def __init__(
-        self, shape: AttentionShape, mlp: nn.Module, rms_norm_eps: float, rotary: RotaryEmbedding
+        self,
+        shape: AttentionShape,
+        mlp: nn.Module,
+        rms_norm_eps: float,
+        rotary: RotaryEmbedding,
+        qk_norm: type[RMSNorm] | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(shape, rotary)
+        self.self_attn = Attention(shape, rotary, qk_norm=qk_norm, eps=rms_norm_eps)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(shape.hidden_size, rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, rms_norm_eps)

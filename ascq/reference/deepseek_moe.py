@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascq.core.deepseek_config import DeepseekConfig
 from ascq.core.errors import AscqError
+from ascq.core.families.deepseek import DeepseekConfig
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels.reference import select_experts
 from ascq.reference.decoder import MLP, AttentionShape, DecoderLayer, RMSNorm, rotary_for

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascq.core import gemma3
+from ascq.core.families import gemma3
 from ascq.reference.decoder import MLP, Attention, AttentionShape, GemmaRMSNorm, KVHook, rotary_for
 
 
@@ -17,13 +17,8 @@ class Gemma3Attention(Attention):
     def __init__(self, config: dict[str, Any], index: int, shape: AttentionShape) -> None:
         layer_type = gemma3.layer_types(config)[index]
         rotary = rotary_for(gemma3.rope_config(config, layer_type))
-        super().__init__(shape, rotary, gemma3.query_scale(config), gemma3.sliding_window(config, index))
-        eps = float(config.get("rms_norm_eps", 1e-6))
-        self.q_norm = GemmaRMSNorm(shape.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(shape.head_dim, eps)
-
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+        scale, window = gemma3.query_scale(config), gemma3.sliding_window(config, index)
+        super().__init__(shape, rotary, scale, window, GemmaRMSNorm, float(config.get("rms_norm_eps", 1e-6)))
 
 
 class Gemma3DecoderLayer(nn.Module):

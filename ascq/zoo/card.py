@@ -15,8 +15,9 @@ from huggingface_hub import ModelCard, ModelCardData
 from safetensors import safe_open
 
 from ascq.atomic_file import atomic_write
-from ascq.core import gemma3
-from ascq.core.architecture import GEMMA3, head_dim_of
+from ascq.core.architecture import head_dim_of
+from ascq.core.families import gemma3
+from ascq.core.families.gemma3 import GEMMA3
 from ascq.core.tensors import tie_word_embeddings
 from ascq.formats.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest, sha256_file
 from ascq.paths import RECIPES_DIR, zoo_root

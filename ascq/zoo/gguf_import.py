@@ -25,11 +25,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ascq.core.architecture import GEMMA3, model_type_of_gguf
 from ascq.core.errors import AscqError
+from ascq.core.families.gemma3 import GEMMA3
+from ascq.core.families.registry import SUPPORTED_MODEL_TYPES, model_type_of_gguf, unsupported_model_type
 from ascq.formats.manifest import new_manifest, sha256_file, staged_entry, write_manifest
 from ascq.paths import zoo_root
-from ascq.quantize.architectures import SUPPORTED_MODEL_TYPES, unsupported_model_type
 from ascq.zoo.gguf_tokenizer import END_OF_TURN, gemma3_tokenizer
 
 EXTRA_MODULES = ("gguf", "accelerate")

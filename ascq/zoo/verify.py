@@ -43,7 +43,7 @@ def _check_config(entry_dir: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text())
         if config.get("model_type") == "deepseek":  # no transformers class; ascq's own reference config
-            from ascq.core.deepseek_config import DeepseekConfig
+            from ascq.core.families.deepseek import DeepseekConfig
 
             DeepseekConfig.from_dict(config)
         else:

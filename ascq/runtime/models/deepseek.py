@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascq.core.deepseek_config import DeepseekConfig
+from ascq.core.families.deepseek import DeepseekConfig
 from ascq.runtime.layers.linear import ReplicatedLinear
 from ascq.runtime.layers.moe import FusedMoE
 from ascq.runtime.models.llama import CausalLM, DecoderLayer, LlamaMLP

@@ -1,7 +1,7 @@
 """Gemma 3 (text) decoder: the Llama layout plus q/k RMSNorm, four (1 + weight) norms per layer, a GELU-tanh
 MLP, embeddings scaled by sqrt(hidden_size), and sliding-window attention with its own rotary base on the
-layers `layer_types` marks (`ascq.core.gemma3`). Windowed layers attend through `AttentionMetadata.windowed`:
-their block tables start at the window, so blocks wholly past it are never read.
+layers `layer_types` marks (`ascq.core.families.gemma3`). Windowed layers attend through
+`AttentionMetadata.windowed`: their block tables start at the window, so blocks wholly past it are never read.
 
 Its layers are not `llama.DecoderLayer`s (the post-attention and post-feed-forward norms sit on the branch
 outputs), so the fused native decode and the compiled decode / device graphs, which are written against
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascq.core import gemma3
+from ascq.core.families import gemma3
 from ascq.core.tensors import tie_word_embeddings
 from ascq.runtime.layers.attention import Attention, AttentionMetadata
 from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -41,10 +41,8 @@ class ScaledEmbedding(VocabParallelEmbedding):
 class Gemma3Attention(LlamaAttention):
     def __init__(self, config: dict[str, Any], index: int) -> None:
         self.layer_type = gemma3.layer_types(config)[index]
-        super().__init__(gemma3.rope_config(config, self.layer_type), bool(config.get("attention_bias")))
-        eps = config.get("rms_norm_eps", 1e-6)
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps)
+        rope_config = gemma3.rope_config(config, self.layer_type)
+        super().__init__(rope_config, bool(config.get("attention_bias")), GemmaRMSNorm)
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -52,19 +50,6 @@ class Gemma3Attention(LlamaAttention):
             scale=gemma3.query_scale(config),
             sliding_window=gemma3.sliding_window(config, index),
         )
-
-    def project(
-        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: CosSin | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k and v [T, Hkv, D]: q and k RMS-normed per head, then rotated."""
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = self.q_norm(qkv[:, :q_size].reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(qkv[:, q_size : q_size + kv_size].reshape(-1, self.num_kv_heads, self.head_dim))
-        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        if cos_sin is None:
-            cos_sin = self.rotary_emb.cos_sin(positions, qkv.dtype)
-        return self.rotary_emb.rotate(q, cos_sin), self.rotary_emb.rotate(k, cos_sin), v
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cos_sin: CosSin | None

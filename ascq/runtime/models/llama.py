@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias): GQA, tied or untied embeddings, rope
-scaling."""
+"""Llama-layout decoder, serving every family whose registry row names `LlamaForCausalLM` (Llama 1 to 3.x,
+Mistral, Qwen 2 with q/k/v biases): GQA, tied or untied embeddings, rope scaling, and per-head q/k RMSNorm
+before rotary where the family has it (`ModelFamily.qk_norm`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascq.core.architecture import check_llama_config, divide, head_dim_of, kv_heads_per_rank
+from ascq.core.architecture import divide, head_dim_of, kv_heads_per_rank
+from ascq.core.families.registry import family_of
 from ascq.core.rotary import RotaryEmbedding
 from ascq.core.tensors import tie_word_embeddings
 from ascq.runtime.distributed.parallel import tp_world_size
@@ -22,7 +24,9 @@ from ascq.runtime.models.weights import load_named_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: dict[str, Any], qkv_bias: bool) -> None:
+    """`qk_norm`: the norm class of the per-head q and k norms (`q_norm`, `k_norm`; None: none)."""
+
+    def __init__(self, config: dict[str, Any], qkv_bias: bool, qk_norm: type[RMSNorm] | None = None) -> None:
         super().__init__()
         world = tp_world_size()
         num_heads = config["num_attention_heads"]
@@ -38,6 +42,10 @@ class LlamaAttention(nn.Module):
         max_position = config.get("max_position_embeddings", 2048)
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            eps = config.get("rms_norm_eps", 1e-6)
+            self.q_norm, self.k_norm = qk_norm(self.head_dim, eps), qk_norm(self.head_dim, eps)
 
     def project(
         self,
@@ -46,14 +54,18 @@ class LlamaAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, Hkv, D] of x (rotated); `cos_sin`: this step's rotary factors
-        (`RotaryEmbedding.cos_sin`), shared by all layers when given. `self.attn` and `self.o_proj` follow."""
+        (`RotaryEmbedding.cos_sin`), shared by all layers when given; q and k are RMS-normed per head first
+        when the family has q/k norms. `self.attn` and `self.o_proj` follow."""
         qkv = self.qkv_proj(x)
         heads, q_heads = self.num_heads + self.num_kv_heads, self.num_heads
         qk_size = heads * self.head_dim
         if cos_sin is None:
             cos_sin = self.rotary_emb.cos_sin(positions, qkv.dtype)
+        qk = qkv[:, :qk_size].view(-1, heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :q_heads]), self.k_norm(qk[:, q_heads:])], dim=1)
         # q and k heads are adjacent in the fused projection's output: one rotation for both
-        qk = self.rotary_emb.rotate(qkv[:, :qk_size].view(-1, heads, self.head_dim), cos_sin)
+        qk = self.rotary_emb.rotate(qk, cos_sin)
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         return qk[:, :q_heads], qk[:, q_heads:], v
 
@@ -77,10 +89,12 @@ class DecoderLayer(nn.Module):
 
     decode_graph: Callable | None = None
 
-    def __init__(self, config: dict[str, Any], mlp: nn.Module, qkv_bias: bool) -> None:
+    def __init__(
+        self, config: dict[str, Any], mlp: nn.Module, qkv_bias: bool, qk_norm: type[RMSNorm] | None = None
+    ) -> None:
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(config, qkv_bias)
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
@@ -206,12 +220,12 @@ class CausalLM(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     def __init__(self, config: dict[str, Any]) -> None:
-        check_llama_config(config)
-        qkv_bias = config.get("model_type") == "qwen2" or bool(config.get("attention_bias"))
-        mlp_bias = bool(config.get("mlp_bias"))
+        family = family_of(config)
+        qkv_bias, mlp_bias = family.qkv_bias(config), bool(config.get("mlp_bias"))
+        qk_norm = RMSNorm if family.qk_norm else None
 
         def make_layer(i: int) -> nn.Module:
             mlp = LlamaMLP(config["hidden_size"], config["intermediate_size"], bias=mlp_bias)
-            return DecoderLayer(config, mlp, qkv_bias)
+            return DecoderLayer(config, mlp, qkv_bias, qk_norm)
 
         super().__init__(config, make_layer)

@@ -72,6 +72,8 @@ def unsupported_reason(model: DecoderModel) -> str | None:
         if type(layer) is not DecoderLayer:
             return f"{type(layer).__name__} is not a Llama-family decoder layer"
         attn = layer.self_attn
+        if attn.q_norm is not None:
+            return "per-head q/k norms (Qwen 3) are not in the fused decode"
         reason = linear_reason(attn.qkv_proj) or linear_reason(attn.o_proj) or _mlp_reason(layer.mlp)
         if reason:
             return reason

@@ -10,7 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 from ascq.core.errors import UnsupportedError
+from ascq.core.families.base import (
+    GATE_UP,
+    LLAMA_MAPPINGS,
+    BalanceMapping,
+    LayerBlock,
+    ModelFamily,
+    NamedShapes,
+    llama_layout,
+)
 
+GEMMA3 = "gemma3_text"  # config.json model_type
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_ROPE_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # transformers' Gemma3TextConfig.default_theta
 DEFAULT_SLIDING_WINDOW_PATTERN = 6
@@ -74,3 +84,39 @@ def query_scale(config: dict[str, Any]) -> float:
 
 def embed_scale(config: dict[str, Any]) -> float:
     return float(config["hidden_size"]) ** 0.5
+
+
+def layout(family: ModelFamily, config: dict[str, Any], index: int) -> NamedShapes:
+    """Llama's layer (with q/k norms) plus the norms before and after the feed-forward branch."""
+    hidden = int(config["hidden_size"])
+    return llama_layout(family, config, index) + [
+        (f"{n}_feedforward_layernorm.weight", (hidden,)) for n in ("pre", "post")
+    ]
+
+
+BLOCKS = (  # each branch is normed before and after
+    LayerBlock("attention", ("input_layernorm", "self_attn", "post_attention_layernorm")),
+    LayerBlock("mlp", ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")),
+)
+# The MLP reads pre_feedforward_layernorm (post_attention_layernorm norms the attention branch's output).
+# llm-compressor's Gemma 3 AWQ mappings leave input_layernorm -> q/k/v out (smoothing it degraded its
+# results, q/k being RMS-normed after the projection); ascq keeps it, since its scale search judges the
+# attention output (q/k norms included) and keeps s = 1 where smoothing does not help.
+MAPPINGS = (
+    LLAMA_MAPPINGS[0],
+    LLAMA_MAPPINGS[1],
+    BalanceMapping("pre_feedforward_layernorm", GATE_UP),
+    LLAMA_MAPPINGS[3],
+)
+
+GEMMA3_FAMILY = ModelFamily(
+    converter="ascq.quantize.architectures:Gemma3Arch",
+    serving_model="ascq.runtime.models.gemma3:Gemma3ForCausalLM",
+    check_config=check_config,
+    layout=layout,
+    mappings=MAPPINGS,
+    blocks=BLOCKS,
+    qk_norm=True,
+    tied_embeddings_by_default=True,
+    gguf_architecture="gemma3",
+)

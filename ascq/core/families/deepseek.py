@@ -1,4 +1,6 @@
-"""`DeepseekConfig`: the config.json of DeepSeek-MoE v1 (`model_type: deepseek`), validated."""
+"""DeepSeek-MoE v1 (`model_type: deepseek`): `DeepseekConfig` (its config.json, validated), the layout of
+its dense and MoE layers (routed experts `mlp.experts.E`, shared experts, the `mlp.gate` router), and the
+balance mappings of its MoE layers."""
 
 from __future__ import annotations
 
@@ -6,6 +8,14 @@ import dataclasses
 from typing import Any
 
 from ascq.core.errors import AscqError, UnsupportedError
+from ascq.core.families.base import (
+    LLAMA_MAPPINGS,
+    BalanceMapping,
+    ModelFamily,
+    NamedShapes,
+    attention_tensors,
+    mlp_tensors,
+)
 
 
 @dataclasses.dataclass
@@ -98,3 +108,48 @@ class DeepseekConfig:
             "torch_dtype": "bfloat16",
             "use_cache": True,
         }
+
+
+def layout(family: ModelFamily, config: dict[str, Any], index: int) -> NamedShapes:
+    """Attention, then a dense MLP or the MoE block (router, routed experts, shared experts), then norms."""
+    ds, hidden = DeepseekConfig.from_dict(config), int(config["hidden_size"])
+    norms = [("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,))]
+    attention = attention_tensors(family, config)
+    if not ds.is_moe_layer(index):
+        return attention + mlp_tensors("mlp", hidden, ds.intermediate_size) + norms
+    experts = [("mlp.gate.weight", (ds.n_routed_experts, hidden))]
+    for e in range(ds.n_routed_experts):
+        experts += mlp_tensors(f"mlp.experts.{e}", hidden, ds.moe_intermediate_size)
+    if ds.n_shared_experts:
+        experts += mlp_tensors("mlp.shared_experts", hidden, ds.moe_intermediate_size * ds.n_shared_experts)
+    return attention + experts + norms
+
+
+_EXPERT = r"mlp\.(?:experts\.\d+|shared_experts)"
+MOE_MAPPINGS = (
+    *LLAMA_MAPPINGS[:2],
+    # one group for the routed and shared experts (judged on the whole MoE block); the router reads the same
+    # norm
+    BalanceMapping(
+        "post_attention_layernorm", (rf"re:{_EXPERT}\.(?:gate|up)_proj",), exact_layers=("mlp.gate",)
+    ),
+    BalanceMapping(rf"re:{_EXPERT}\.up_proj", (rf"re:{_EXPERT}\.down_proj",)),
+)
+
+
+def check_config(config: dict[str, Any]) -> None:
+    DeepseekConfig.from_dict(config)
+
+
+def is_moe_layer(config: dict[str, Any], index: int) -> bool:
+    return DeepseekConfig.from_dict(config).is_moe_layer(index)
+
+
+DEEPSEEK = ModelFamily(
+    converter="ascq.quantize.architectures:DeepseekMoEArch",
+    serving_model="ascq.runtime.models.deepseek:DeepseekForCausalLM",
+    check_config=check_config,
+    layout=layout,
+    moe_mappings=MOE_MAPPINGS,
+    is_moe_layer=is_moe_layer,
+)
