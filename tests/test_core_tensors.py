@@ -47,6 +47,7 @@ VARIANTS = {
     "llama-head-dim": {**LLAMA, "head_dim": 32},
     "llama-biases": {**LLAMA, "attention_bias": True, "mlp_bias": True},
     "qwen2": {**LLAMA, "model_type": "qwen2"},
+    "qwen3": {**LLAMA, "model_type": "qwen3", "head_dim": 32},
     "mistral": {**LLAMA, "model_type": "mistral"},
     "deepseek": DEEPSEEK,
     "deepseek-no-shared": {**DEEPSEEK, "n_shared_experts": None},

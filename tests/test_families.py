@@ -23,6 +23,7 @@ from ascq.core.families.registry import (
     model_type_of_gguf,
     resolve,
 )
+from ascq.core.tensors import checkpoint_tensors
 from ascq.quantize.architectures import Architecture
 from ascq.runtime.models import model_class_for
 
@@ -85,3 +86,16 @@ def test_family_facts_read_from_the_rows():
     assert lookup("gemma3_text").tie_word_embeddings({}) and not lookup("llama").tie_word_embeddings({})
     assert model_type_of_gguf("gemma3") == "gemma3_text" and model_type_of_gguf("llama") == "llama"
     assert lookup("deepseek").routed_experts and not lookup("llama").routed_experts
+
+
+def test_qwen3_layout_has_per_head_qk_norms_and_no_biases():
+    names = dict(checkpoint_tensors({**TINY, "model_type": "qwen3", "head_dim": 16}))
+    assert names["model.layers.0.self_attn.q_norm.weight"] == (16,)
+    assert names["model.layers.0.self_attn.k_norm.weight"] == (16,)
+    assert not any(name.endswith("_proj.bias") for name in names)
+
+
+def test_qwen3_sliding_window_is_refused_in_one_line():
+    config = {**TINY, "model_type": "qwen3", "use_sliding_window": True, "sliding_window": 16}
+    with pytest.raises(UnsupportedError, match="Qwen 3 sliding-window layers are not supported"):
+        family_of(config)

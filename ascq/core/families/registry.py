@@ -17,6 +17,7 @@ FAMILY_ROWS: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "ascq.core.families.llama:LLAMA"),
     "mistral": ("MistralForCausalLM", "ascq.core.families.llama:MISTRAL"),
     "qwen2": ("Qwen2ForCausalLM", "ascq.core.families.qwen2:QWEN2"),
+    "qwen3": ("Qwen3ForCausalLM", "ascq.core.families.qwen3:QWEN3"),
     "deepseek": ("DeepseekForCausalLM", "ascq.core.families.deepseek:DEEPSEEK"),
     "gemma3_text": ("Gemma3ForCausalLM", "ascq.core.families.gemma3:GEMMA3_FAMILY"),
 }

@@ -1,0 +1,125 @@
+"""Qwen 3 (per-head q/k norms, no biases) and Llama 3.x (llama3 rope scaling) against transformers' own model
+classes: tiny random-weight checkpoints built from transformers' configs and written by `save_pretrained`
+(safetensors, tiny-llama's tokenizer), served by ascq in fp32, greedy tokens equal to transformers' over 8
+prompts x 32 tokens, one prompt longer than the original rope context; and `ascq convert` with the main
+recipes converts and serves them."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from engine_helpers import make_engine
+from test_runtime_models import run_greedy, text_prompts
+
+from ascq.paths import PROJECT_DIR
+
+TINY_LLAMA = PROJECT_DIR / "zoo" / "tiny-llama"
+
+ORIGINAL_CONTEXT = 64  # llama3 rope scaling's original_max_position_embeddings: the long prompt exceeds it
+BASE = dict(
+    vocab_size=4096,  # tiny-llama's tokenizer
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+FAMILIES = {
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
+    "llama3": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": ORIGINAL_CONTEXT,
+            }
+        },
+    ),
+}
+
+
+def write_checkpoint(family: str, path: Path) -> Path:
+    """A random-weight fp32 checkpoint of `family` with tiny-llama's tokenizer; Qwen 3's q/k norm weights
+    are drawn away from 1 so that a norm left out or misloaded changes the tokens."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**BASE, **extra)).float().eval()
+    for layer in model.model.layers:
+        for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
+            if norm is not None:
+                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_LLAMA / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def prompts_for(tokenizer, eval_text_path: Path) -> list[list[int]]:
+    """7 text prompts of 4..119 tokens and one of 1.5x the original rope context."""
+    prompts = text_prompts(tokenizer, 7, eval_text_path)
+    long = tokenizer.encode(eval_text_path.read_text()[:20_000])[: ORIGINAL_CONTEXT * 3 // 2]
+    assert len(long) > ORIGINAL_CONTEXT
+    return [*prompts, long]
+
+
+def transformers_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy tokens (its KV-cached generate; no EOS). The attention mask is given: inferred,
+    it would mask every prompt token equal to the pad id (0, which the text prompts contain)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_matches_transformers(checkpoint, eval_text_path):
+    family, path = checkpoint
+    config = transformers.AutoConfig.from_pretrained(path)
+    if family == "llama3":  # the saved config keeps the scaling transformers applies
+        assert config.rope_parameters["rope_type"] == "llama3"
+    assert any(p.suffix == ".safetensors" for p in path.iterdir())
+    engine = make_engine(path, dtype="float32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == FAMILIES[family][1].__name__
+    prompts = prompts_for(engine.tokenizer, eval_text_path)
+    got = run_greedy(engine, prompts, 32)
+    expected = [transformers_greedy(hf, p, 32) for p in prompts]
+    assert got == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["w8a8", "awq-int4", "w4a16-gptq"])
+def test_main_recipes_convert_and_serve(checkpoint, converted_entry, recipe, eval_text_path):
+    family, path = checkpoint
+    entry = converted_entry(path, (recipe,), num_samples=8, seq_len=64, max_eval_tokens=1024)
+    config = transformers.AutoConfig.from_pretrained(entry)
+    assert config.quantization_config["quant_method"] == "compressed-tensors"
+    engine = make_engine(entry, dtype="float32")
+    prompts = prompts_for(engine.tokenizer, eval_text_path)[-2:]
+    got = run_greedy(engine, prompts, 8)
+    assert all(len(tokens) == 8 for tokens in got)
