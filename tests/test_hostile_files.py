@@ -747,3 +747,23 @@ def test_pull_refuses_remote_file_names_outside_the_entry_before_downloading(
     assert not any("/resolve/" in path for _, path in hub.requests)
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.rglob("escaped.txt"))
+
+
+@pytest.mark.slow  # starts a server
+def test_every_ascq_command_a_published_card_prints_runs_as_typed(
+    hub: HubDouble, tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tiny-llama published to the Hub double; its card's commands (pull, serve, verify) run in a fresh zoo,
+    in the order printed (the server gets a free --port)."""
+    entry = Path(shutil.copytree(tiny_llama_dir, tmp_path / "zoo" / tiny_llama_dir.name))
+    assert run("publish", str(entry), "--repo", REPO) == 0
+    printed = commands_in(hub.files(REPO)["README.md"].decode())
+    assert printed[:2] == [f"ascq zoo pull {REPO}", f"ascq serve {REPO.split('/')[1]}"], printed
+    fresh = tmp_path / "fresh-zoo"
+    monkeypatch.setenv("ASCQ_ZOO", str(fresh))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    for command in printed:
+        if command.startswith("ascq serve "):
+            assert serve_as_typed(command, tmp_path, env)["usage"]["completion_tokens"] == 2
+        else:
+            assert run(*shlex.split(command)[1:]) == 0, command

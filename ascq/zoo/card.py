@@ -68,9 +68,9 @@ def render_card(entry_dir: Path, repo_id: str | None = None) -> str:
             _quality_section(manifest),
             _serve_section(manifest, config, repo_id or _local_ref(entry_dir), from_hub=repo_id is not None),
             "## Files\n",
-            f"`ascq.json` lists every file with its size and sha256; `ascq zoo verify {manifest['name']}` "
-            f"checks them, "
-            "that the config and tokenizer load, and that the tensor names match the format.\n",
+            f"`ascq.json` lists every file with its size and sha256; "
+            f"`ascq zoo verify {_entry_ref(entry_dir, repo_id)}` checks them, that the config and tokenizer "
+            "load, and that the tensor names match the format.\n",
         ]
     )
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
@@ -107,6 +107,11 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text()) if path.is_file() else {}
     except json.JSONDecodeError:
         return {}
+
+
+def _entry_ref(entry_dir: Path, repo_id: str | None) -> str:
+    """How the card's zoo commands name the entry: as `ascq zoo pull` names it from the Hub, else locally."""
+    return repo_id.split("/")[1] if repo_id else _local_ref(entry_dir)
 
 
 def _local_ref(entry_dir: Path) -> str:
