@@ -125,12 +125,17 @@ def zoo_pull(
     repo: Annotated[str, typer.Argument(help="Hub repo id, ORG/NAME.")],
     revision: Annotated[str | None, typer.Option(help="Branch, tag or commit.")] = None,
     out: Annotated[str | None, typer.Option(help="Target folder (default: the zoo's NAME).")] = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing entry.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing zoo entry (atomically; never a folder that is not one).")
+    ] = False,
+    force: Annotated[bool, typer.Option(hidden=True, help="Deprecated alias of --overwrite.")] = False,
 ) -> None:
     """Download an entry from the Hub (HF_ENDPOINT honoured) into the zoo, then verify it."""
     from ascq.zoo.hub import pull
 
-    pull(repo, revision=revision, out=out, force=force, echo=typer.echo)
+    if force:
+        typer.echo("warning: --force is deprecated; use --overwrite", err=True)
+    pull(repo, revision=revision, out=out, overwrite=overwrite or force, echo=typer.echo)
 
 
 @zoo_app.command("gc")

@@ -3,6 +3,7 @@ Hub."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -63,6 +64,23 @@ def local_bytes(entry: Path) -> dict[str, bytes]:
     return {rel: (entry / rel).read_bytes() for rel in [*list_entry_files(entry), MANIFEST_NAME]}
 
 
+def published(hub: HubDouble, entry: Path, revision: str = "main") -> dict[str, bytes]:
+    """The remote files, checked to be the entry's own plus the card and the manifest that records it (publish
+    stages those two; the entry is never modified)."""
+    remote = hub.files(REPO, revision)
+    remote.pop(".gitattributes")
+    staged = ("README.md", MANIFEST_NAME)
+    assert {k: v for k, v in remote.items() if k not in staged} == {
+        k: v for k, v in local_bytes(entry).items() if k not in staged
+    }
+    card = remote["README.md"]
+    card_record = {"size": len(card), "sha256": hashlib.sha256(card).hexdigest()}
+    assert json.loads(remote[MANIFEST_NAME])["files"] == dict(
+        read_manifest(entry)["files"], **{"README.md": card_record}
+    )
+    return remote
+
+
 @pytest.mark.slow  # converts tiny-llama (cached for the session, shared with test_convert)
 def test_publish_pull_round_trip_of_a_converted_fixture(
     hub: HubDouble,
@@ -72,16 +90,13 @@ def test_publish_pull_round_trip_of_a_converted_fixture(
     capsys: pytest.CaptureFixture,
 ) -> None:
     assert run("publish", str(converted), "--repo", REPO) == 0
-    remote = hub.files(REPO)
-    remote.pop(".gitattributes")
-    assert remote == local_bytes(converted)  # every file byte-identical, card and manifest included
+    remote = published(hub, converted)  # every file byte-identical, plus the card and its manifest record
     lfs_files = {p for p, f in hub.repos[REPO].files_at("main").items() if f.lfs}
     assert {p for p in remote if p.endswith(".safetensors")} <= lfs_files
     card = ModelCard(remote["README.md"].decode())
     assert card.data.base_model == read_manifest(converted)["base_model"] == "ascq/tiny-llama"
     assert card.data.to_dict()["base_model_relation"] == "quantized"
     assert "| model | perplexity | change vs base |" in card.text
-    assert run("zoo", "verify", str(converted)) == 0  # the card is recorded in the manifest
 
     hub.requests.clear()
     assert run("publish", converted.name, "--repo", REPO) == 0  # by name, from $ASCQ_ZOO
@@ -92,17 +107,15 @@ def test_publish_pull_round_trip_of_a_converted_fixture(
     monkeypatch.setenv("ASCQ_ZOO", str(fresh))
     assert run("zoo", "pull", REPO) == 0
     assert sorted(p.name for p in fresh.iterdir()) == ["x"]
-    assert local_bytes(fresh / "x") == local_bytes(converted)
-    assert run("zoo", "verify", "x") == 0
-    assert run("zoo", "pull", REPO) == 1  # exists: refused without --force
-    assert run("zoo", "pull", REPO, "--force") == 0
+    assert local_bytes(fresh / "x") == remote
+    assert run("zoo", "verify", "x") == 0  # the card is recorded in the manifest
+    assert run("zoo", "pull", REPO) == 1  # exists: refused without --overwrite
+    assert run("zoo", "pull", REPO, "--overwrite") == 0
 
 
 def test_publish_uploads_every_file_byte_identical_through_lfs(hub: HubDouble, entry: Path) -> None:
     assert run("publish", str(entry), "--repo", REPO) == 0
-    remote = hub.files(REPO)
-    remote.pop(".gitattributes")
-    assert remote == local_bytes(entry)
+    remote = published(hub, entry)
     shards = sorted(p for p in remote if p.endswith(".safetensors"))
     assert sorted(hub.lfs_objects.values(), key=len) == sorted((remote[p] for p in shards), key=len)
     assert ModelCard(remote["README.md"].decode()).data.base_model == "test-org/tiny-test-llama"
@@ -167,7 +180,7 @@ def test_revision_publishes_to_a_branch_and_pulls_from_it(
     assert "config.json" not in hub.files(REPO, "main")
     assert hub.repos[REPO].private
     assert run("zoo", "pull", REPO, "--revision", "w4a16", "--out", str(tmp_path / "from-branch")) == 0
-    assert local_bytes(tmp_path / "from-branch") == local_bytes(entry)
+    assert local_bytes(tmp_path / "from-branch") == published(hub, entry, "w4a16")
 
 
 def test_dry_run_prints_files_sizes_and_card_without_contacting_the_hub(
@@ -245,5 +258,7 @@ def test_cli_process_honours_hf_endpoint_and_never_prints_the_token(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "all 8 files match the Hub" in done.stdout
-    assert hub.files("test/from-cli")["ascq.json"] == (entry / MANIFEST_NAME).read_bytes()
+    recorded = json.loads(hub.files("test/from-cli")["ascq.json"])["files"]
+    assert set(recorded) == {*read_manifest(entry)["files"], "README.md"}
+    assert not (entry / "README.md").exists()  # staged for the upload, never written into the entry
     assert TOKEN not in done.stdout + done.stderr

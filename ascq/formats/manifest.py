@@ -13,11 +13,13 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
+import re
 import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,22 +95,91 @@ def write_manifest(entry_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_manifest(entry_dir: Path) -> dict[str, Any]:
+    """The entry's manifest, checked to be well formed (`check_manifest`): an untrusted file (a pulled entry,
+    a copied folder) never reaches the code that uses it otherwise."""
     path = Path(entry_dir) / MANIFEST_NAME
     if not path.is_file():
         raise AscqError(f"{entry_dir} is not a zoo entry: {MANIFEST_NAME} is missing")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise AscqError(f"{path} is not valid JSON: {exc}") from None
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise AscqError(f"{path} is not valid JSON: {why}") from None
+    check_manifest(manifest, path)
+    return manifest
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+SECTIONS = ("source", "recipe", "calibration", "metrics", "conversion", "planned", "synthetic")
+NUMERIC_METRICS = ("perplexity", "perplexity_base", "unigram_perplexity", "num_eval_tokens")
+
+
+def check_manifest(manifest: Any, where: str | os.PathLike) -> None:
+    """Raise a one-line AscqError unless `manifest` is an object with a string `name`, whose sections are
+    objects (metrics numbers) and whose `files` (if present) maps entry paths (`check_entry_path`) to records
+    with an integer `size` and a hex `sha256`."""
+    if not isinstance(manifest, dict):
+        raise AscqError(f"{where}: the manifest is not a JSON object")
+    if not isinstance(manifest.get("name"), str) or not manifest["name"]:
+        raise AscqError(f"{where}: the manifest's name is missing or not a string")
+    for section in SECTIONS:
+        if not isinstance(manifest.get(section) or {}, dict):
+            raise AscqError(f"{where}: the manifest's {section} is not an object")
+    for key, value in (manifest.get("metrics") or {}).items():
+        if key in NUMERIC_METRICS and value is not None and not isinstance(value, int | float):
+            raise AscqError(f"{where}: the manifest's metrics.{key} is not a number")
+    files = manifest.get("files")
+    if files is None:
+        return
+    if not isinstance(files, dict):
+        raise AscqError(f"{where}: the manifest's files is not an object of path -> {{size, sha256}}")
+    for rel, record in files.items():
+        check_entry_path(rel, where)
+        if not isinstance(record, dict):
+            raise AscqError(f"{where}: the record of file {rel} is not an object")
+        size, digest = record.get("size"), record.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise AscqError(f"{where}: file {rel} has no valid size (a non-negative integer)")
+        if not isinstance(digest, str) or not _SHA256.match(digest):
+            raise AscqError(f"{where}: file {rel} has no valid sha256 (64 hex digits)")
+
+
+def check_entry_path(rel: Any, where: str | os.PathLike) -> None:
+    """A manifest's file path must be relative, normalised (`a/b`, no `.`, `..`, `//` or backslash) and not
+    the manifest itself: it names a file inside the entry, never one outside it."""
+    text = rel if isinstance(rel, str) else ""
+    if (
+        not text
+        or "\\" in text
+        or "\0" in text
+        or posixpath.isabs(text)
+        or posixpath.normpath(text) != text
+        or text.split("/", 1)[0] in (".", "..")
+        or text == MANIFEST_NAME
+    ):
+        raise AscqError(
+            f"{where}: file path {rel!r} is not a normalised path relative to the entry (refusing it)"
+        )
+
+
+def entry_file(entry_dir: Path, rel: str) -> Path:
+    """`entry_dir / rel` for a manifest path, refused when it (through a symbolic link) leaves the entry."""
+    check_entry_path(rel, Path(entry_dir) / MANIFEST_NAME)
+    path = Path(entry_dir) / rel
+    if not path.resolve().is_relative_to(Path(entry_dir).resolve()):
+        raise AscqError(f"{Path(entry_dir).name}: file {rel} leads outside the entry (a symbolic link)")
+    return path
 
 
 def verify_files(entry_dir: Path, manifest: dict[str, Any] | None = None) -> None:
-    """Raise AscqError naming the first file that is missing, extra, or whose size or sha256 differs."""
+    """Raise AscqError naming the first file that is missing, extra, outside the entry, or whose size or
+    sha256 differs."""
     entry_dir = Path(entry_dir)
     manifest = manifest or read_manifest(entry_dir)
+    check_manifest(manifest, entry_dir / MANIFEST_NAME)
     expected = manifest.get("files") or {}
     for rel, record in expected.items():
-        path = entry_dir / rel
+        path = entry_file(entry_dir, rel)
         if not path.is_file():
             raise AscqError(f"{entry_dir.name}: file {rel} is listed in the manifest but missing")
         if path.stat().st_size != record["size"]:
@@ -140,12 +211,14 @@ STAGING_TAGS = (
 )
 
 
-def check_output(target: Path, sources: list[Path], overwrite: bool) -> None:
-    """Refuse an output folder that would destroy a user's data, before any work is done.
+def check_output(target: Path, sources: Sequence[Path] = (), overwrite: bool = False) -> None:
+    """Refuse an output folder that would destroy a user's data, before any work is done: the one check of
+    every command that writes a folder (convert, zoo pull, zoo import-gguf, zoo dummy, publish's staging).
 
     Never a source folder, one that contains a source or one inside a source (even with --overwrite); an
     existing path only with --overwrite, and then only a zoo entry (a folder with ascq.json) or an empty
-    folder.
+    folder. A planned entry (config and plan, no weights: `is_planned_entry`) is what its own printed convert
+    command fills, so it is replaced without --overwrite.
     """
     resolved = Path(target).resolve()
     for source in sources:
@@ -160,14 +233,24 @@ def check_output(target: Path, sources: list[Path], overwrite: bool) -> None:
             )
     if not os.path.lexists(target):
         return
-    if not overwrite:
-        raise AscqError(f"{target} already exists; pass --overwrite to replace it")
     if not Path(target).is_dir() or Path(target).is_symlink():
         raise AscqError(f"{target} exists and is not a folder; refusing to replace it")
     if not (Path(target) / MANIFEST_NAME).is_file() and any(Path(target).iterdir()):
         raise AscqError(
             f"{target} is not a zoo entry (no {MANIFEST_NAME}); refusing to replace it, even with --overwrite"
         )
+    if not overwrite and not is_planned_entry(Path(target)):
+        raise AscqError(f"{target} already exists; pass --overwrite to replace it")
+
+
+def is_planned_entry(entry_dir: Path) -> bool:
+    """A zoo entry that only plans its weights: a manifest with a `planned` section and no safetensors."""
+    try:
+        manifest = read_manifest(entry_dir)
+    except AscqError:
+        return False
+    files = manifest.get("files") or {}
+    return bool(manifest.get("planned")) and not any(rel.endswith(".safetensors") for rel in files)
 
 
 class Terminated(BaseException):
@@ -208,30 +291,45 @@ def signals_raise() -> Iterator[None]:
 
 
 def resolve_local_model(name_or_path: str | os.PathLike) -> Path:
-    """A model folder to serve or generate from: a path, or a zoo entry name; a Hub id says how to pull it."""
+    """A model folder to serve or generate from: a path, or a zoo entry name (`missing_model` otherwise)."""
     text = str(name_or_path)
     if Path(text).is_dir():
         return Path(text)
     if (zoo_root() / text).is_dir():
         return zoo_root() / text
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
-        raise AscqError(
-            f"{text} is not a local folder or zoo entry; if it is a Hub repo, fetch it first: "
-            f"ascq zoo pull {text} (an ascq entry) or `hf download {text} --local-dir DIR`"
-        )
-    raise AscqError(f"model {text} not found: not a folder, and not an entry in the zoo at {zoo_root()}")
+    raise missing_model(text)
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """ORG/NAME that is not meant as a local path: one slash, no leading `.`, `/` or `~`, and ORG is not a
+    local folder (`zoo/nope` is a missing zoo entry, not a Hub repo)."""
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and not Path(text).parent.is_dir()
+
+
+def missing_model(text: str) -> AscqError:
+    """The one error for a model that is neither a folder nor a zoo entry (generate, serve, convert); a Hub
+    id gets the command that fetches it."""
+    hint = (
+        f"; if it is a Hub repo, fetch it first: ascq zoo pull {text} (an ascq entry) or "
+        f"`hf download {text} --local-dir DIR`"
+        if looks_like_hub_id(text)
+        else ""
+    )
+    return AscqError(
+        f"model {text} does not exist: not a folder, and not an entry in the zoo at {zoo_root()}{hint}"
+    )
 
 
 @contextlib.contextmanager
-def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
+def staged_entry(target: Path, overwrite: bool = True, sources: Sequence[Path] = ()) -> Iterator[Path]:
     """Yield a staging folder beside `target`; on success it replaces `target` atomically, on error (Ctrl-C
     and SIGTERM included) it is deleted. A staging folder that a killed process left behind is removed first.
+    `target` passes `check_output` (with `sources` and `overwrite`) first, and again just before the rename.
 
     The caller writes every file, then calls `write_manifest` on the staging folder, inside the block.
     """
     target = Path(target)
-    if target.exists() and not overwrite:
-        raise AscqError(f"{target} already exists; pass --overwrite to replace it")
+    check_output(target, sources, overwrite)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(target.parent, target.name)
@@ -246,6 +344,7 @@ def staged_entry(target: Path, overwrite: bool = True) -> Iterator[Path]:
             if not (staging / MANIFEST_NAME).is_file():
                 raise AssertionError("staged_entry: write_manifest was not called before the block ended")
             _normal_permissions(staging)
+            check_output(target, sources, overwrite)  # a folder that appeared while this one was written
             _replace_dir(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -286,9 +385,19 @@ def _alive(pid: int) -> bool:
 
 
 def _current_umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
+    """The process's file mode mask, read without changing it (os.umask would, for every thread, for a
+    moment): Linux reports it in /proc/self/status; elsewhere a probe file created with mode 0o777 shows
+    it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with tempfile.TemporaryDirectory(prefix="ascq-umask-") as folder:
+        probe = Path(folder) / "probe"
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o777))
+        return 0o777 & ~probe.stat().st_mode
 
 
 def _normal_permissions(folder: Path) -> None:

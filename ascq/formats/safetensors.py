@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -24,20 +25,51 @@ INDEX_NAME = "model.safetensors.index.json"
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
+# safetensors' own limit on the header (the library refuses a longer one)
+MAX_HEADER_BYTES = 100_000_000
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+
 def _read_header(path: Path) -> dict[str, dict]:
-    """Tensor name -> header entry (dtype, shape, data_offsets) of a shard whose data fits the file."""
+    """Tensor name -> header entry (dtype, shape, data_offsets) of a shard whose header fits the file and
+    whose tensors exactly tile its data (as the safetensors library requires), checked before anything is
+    allocated for what the header declares; anything else is one line."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > size - 8:
-                raise ValueError("header longer than the file")
+            if header_len > min(size - 8, MAX_HEADER_BYTES):
+                raise ValueError(f"its header length {header_len:,d} exceeds the file or the format's limit")
             header = json.loads(f.read(header_len))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
         header.pop("__metadata__", None)
-        data_end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+        data_end = _check_tensors(header)
+    except RecursionError:
+        raise AscqError(
+            f"{path.name} is not a valid safetensors file (its header is nested too deeply)"
+        ) from None
     except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise AscqError(
-            f"{path.name} is not a valid safetensors file ({exc}); the checkpoint is corrupted"
+            f"{path.name} is not a valid safetensors file ({' '.join(str(exc).split())[:300]}); the "
+            "checkpoint is corrupted"
         ) from None
     if 8 + header_len + data_end != size:
         raise AscqError(
@@ -45,6 +77,35 @@ def _read_header(path: Path) -> dict[str, dict]:
             f"the file has {size}"
         )
     return header
+
+
+def _check_tensors(header: dict) -> int:
+    """The end of the data the header's tensors describe (the caller compares it with the file); ValueError
+    unless each has a known dtype, a shape of non-negative integers and offsets whose span is its size, the
+    tensors back to back."""
+    spans = []
+    for name, info in header.items():
+        if not isinstance(info, dict) or info.get("dtype") not in DTYPE_BYTES:
+            raise ValueError(f"tensor {name!r} has no known dtype")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"tensor {name!r} has an invalid shape")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(n) is int for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ValueError(f"tensor {name!r} has invalid data offsets")
+        if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[info["dtype"]]:
+            raise ValueError(f"tensor {name!r}: its data offsets do not span its shape and dtype")
+        spans.append((offsets[0], offsets[1]))
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            raise ValueError("the tensors' data overlap or leave gaps")
+        end = stop
+    return end
 
 
 def _index_path(model_dir: Path) -> Path | None:

@@ -29,6 +29,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import warnings
 from dataclasses import dataclass
@@ -155,8 +156,27 @@ def structures() -> dict[str, type[ctypes.Structure]]:
 
 
 def _cache_dir() -> Path:
+    """The kernel cache folder, created 0700; OSError (the library is then not loaded) when it belongs to
+    another user, or when others may write to it and it cannot be made private."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ascq" / "kernels"
-    return envs.ASCQ_CACHE_DIR or default
+    folder = Path(envs.ASCQ_CACHE_DIR or default)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.geteuid():
+        raise OSError(f"the kernel cache {folder} belongs to another user (uid {info.st_uid})")
+    if info.st_mode & 0o022:
+        os.chmod(folder, stat.S_IMODE(info.st_mode) & ~0o022)
+    return folder
+
+
+def _trusted(library: Path) -> bool:
+    """Whether a cached library may be loaded: a regular file (not a link) owned by this user that no one
+    else may write; any other is rebuilt."""
+    try:
+        info = library.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _compile(compiler: str, variant: str) -> Path:
@@ -164,9 +184,8 @@ def _compile(compiler: str, variant: str) -> Path:
     texts = [source.read_text() for source in [*SOURCES, *HEADERS]]
     key = hashlib.sha256("\0".join([*texts, *flags(variant), version]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"ascq_kernels-{variant}-{key}.so"
-    if target.exists():
+    if _trusted(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(target) as tmp:
         subprocess.run(
             [compiler, *flags(variant), *map(str, SOURCES), "-o", str(tmp)],
@@ -174,6 +193,7 @@ def _compile(compiler: str, variant: str) -> Path:
             text=True,
             check=True,
         )
+        os.chmod(tmp, 0o700)  # `_trusted` whatever the umask
     return target
 
 

@@ -20,6 +20,8 @@ from ascq.formats.manifest import (
     MANIFEST_NAME,
     check_output,
     group_size_fit_text,
+    looks_like_hub_id,
+    missing_model,
     new_manifest,
     read_manifest,
     signals_raise,
@@ -103,9 +105,9 @@ class ConvertOptions:
             raise AscqError("--eval-text / --max-eval-tokens and --no-eval contradict each other: give one")
 
 
-def resolve_model_dir(model: str) -> Path:
-    """A local checkpoint folder, a zoo entry name, or a Hub id downloaded through huggingface_hub (clear
-    error when offline)."""
+def local_model_dir(model: str) -> Path | None:
+    """A local checkpoint folder or zoo entry name; None for a Hub id (`download_model`); anything else is
+    the one missing-model error."""
     path = Path(model)
     if path.is_dir():
         return path
@@ -113,8 +115,13 @@ def resolve_model_dir(model: str) -> Path:
         raise AscqError(f"{model} is not a folder")
     if "/" not in model and (zoo_root() / model).is_dir():  # a zoo entry by name, as serve/generate take it
         return zoo_root() / model
-    if model.count("/") != 1 or model.startswith((".", "/", "~")):
-        raise AscqError(f"model folder {model} does not exist")
+    if not looks_like_hub_id(model):
+        raise missing_model(model)
+    return None
+
+
+def download_model(model: str) -> Path:
+    """The snapshot of Hub id `model` through huggingface_hub (clear error when offline)."""
     from huggingface_hub import snapshot_download
 
     if not hub_reachable():
@@ -127,6 +134,11 @@ def resolve_model_dir(model: str) -> Path:
         raise AscqError(
             f"cannot download {model} from the Hugging Face Hub ({type(exc).__name__}); pass a local folder"
         ) from None
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local checkpoint folder, a zoo entry name, or a Hub id downloaded through huggingface_hub."""
+    return local_model_dir(model) or download_model(model)
 
 
 def peak_rss_bytes() -> int:
@@ -147,9 +159,10 @@ def _source_manifest(model_dir: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def default_output(model_dir: Path, recipe_names: list[str], fmt: str) -> Path:
-    """`zoo/NAME-RECIPES-FORMAT`: two recipes or two formats of one model never share a folder."""
-    return zoo_root() / f"{model_dir.name}-{'+'.join(recipe_names)}-{fmt}"
+def default_output(model: str | Path, recipe_names: list[str], fmt: str) -> Path:
+    """`zoo/NAME-RECIPES-FORMAT`, NAME the model's own (a folder's name, a Hub id's NAME, never a snapshot's
+    commit hash): two recipes or two formats of one model never share a folder."""
+    return zoo_root() / f"{Path(str(model).rstrip('/')).name}-{'+'.join(recipe_names)}-{fmt}"
 
 
 def convert(options: ConvertOptions) -> Path:
@@ -161,15 +174,19 @@ def convert(options: ConvertOptions) -> Path:
 def _convert(options: ConvertOptions) -> Path:
     start = time.perf_counter()
     check_library_version()
-    model_dir = resolve_model_dir(options.model)
+    # everything that can be checked without the weights is, before a Hub id is downloaded
+    local_dir = local_model_dir(options.model)
     recipe = load_recipes(list(options.recipes))
-    target = Path(options.out) if options.out else default_output(model_dir, recipe.names, options.format)
-    check_output(target, [model_dir], options.overwrite)
+    _check_format(options.format, recipe)
+    named_after = local_dir.resolve() if local_dir else options.model
+    target = Path(options.out) if options.out else default_output(named_after, recipe.names, options.format)
+    check_output(target, [local_dir] if local_dir else [], options.overwrite)
     device = check_device(options.device)
     gemm_dtype = calibration_gemm_dtype(options.calibration_dtype, device, recipe)
+    model_dir = local_dir or download_model(options.model)
+    check_output(target, [model_dir], options.overwrite)
     arch = load_architecture(model_dir)
     reader = CheckpointReader(model_dir)
-    _check_format(options.format, recipe)
     tokenizer = _tokenizer(model_dir)
     calib = load_calibration(options.calib, tokenizer, options.num_samples, options.seq_len)
     source = _source_manifest(model_dir)
@@ -179,7 +196,7 @@ def _convert(options: ConvertOptions) -> Path:
         from ascq.evaluate import load_eval_token_ids
 
         eval_ids = load_eval_token_ids(tokenizer, eval_path)[: options.max_eval_tokens]
-    with staged_entry(target) as staging:
+    with staged_entry(target, options.overwrite, [model_dir]) as staging:
         writer = _writer(options, staging, reader, arch.config)
         result = stream_convert(
             reader,

@@ -5,6 +5,7 @@ built and parsed back with huggingface_hub's `ModelCard` / `ModelCardData`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -19,7 +20,7 @@ from ascq.core.architecture import head_dim_of
 from ascq.core.families import gemma3
 from ascq.core.families.gemma3 import GEMMA3
 from ascq.core.tensors import tie_word_embeddings
-from ascq.formats.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest, sha256_file
+from ascq.formats.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest
 from ascq.paths import RECIPES_DIR, zoo_root
 
 CARD_NAME = "README.md"
@@ -68,9 +69,9 @@ def render_card(entry_dir: Path, repo_id: str | None = None) -> str:
             _quality_section(manifest),
             _serve_section(manifest, config, repo_id or _local_ref(entry_dir), from_hub=repo_id is not None),
             "## Files\n",
-            f"`ascq.json` lists every file with its size and sha256; `ascq zoo verify {manifest['name']}` "
-            f"checks them, "
-            "that the config and tokenizer load, and that the tensor names match the format.\n",
+            f"`ascq.json` lists every file with its size and sha256; "
+            f"`ascq zoo verify {_entry_ref(entry_dir, repo_id)}` checks them, that the config and tokenizer "
+            "load, and that the tensor names match the format.\n",
         ]
     )
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
@@ -78,20 +79,27 @@ def render_card(entry_dir: Path, repo_id: str | None = None) -> str:
     return str(card)
 
 
-def write_card(entry_dir: Path, repo_id: str | None = None) -> Path:
-    """Write README.md into the entry and record it in the manifest (only that record changes, so a tampered
-    file elsewhere still fails verify)."""
-    entry_dir = Path(entry_dir)
-    text = render_card(entry_dir, repo_id)
+def carded_manifest(entry_dir: Path, card: bytes) -> dict[str, Any]:
+    """The entry's manifest with README.md recorded as `card` (only that record changes, so a tampered file
+    elsewhere still fails verify)."""
     manifest = read_manifest(entry_dir)
-    atomic_write(entry_dir / CARD_NAME, text.encode())
     files = dict(manifest.get("files") or {})
-    files[CARD_NAME] = {
-        "size": (entry_dir / CARD_NAME).stat().st_size,
-        "sha256": sha256_file(entry_dir / CARD_NAME),
-    }
+    files[CARD_NAME] = {"size": len(card), "sha256": hashlib.sha256(card).hexdigest()}
     manifest["files"] = dict(sorted(files.items()))
-    atomic_write(entry_dir / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
+    return manifest
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2) + "\n").encode()
+
+
+def write_card(entry_dir: Path, repo_id: str | None = None) -> Path:
+    """Write README.md into the entry and record it in the manifest (`carded_manifest`)."""
+    entry_dir = Path(entry_dir)
+    card = render_card(entry_dir, repo_id).encode()
+    manifest = carded_manifest(entry_dir, card)
+    atomic_write(entry_dir / CARD_NAME, card)
+    atomic_write(entry_dir / MANIFEST_NAME, manifest_bytes(manifest))
     return entry_dir / CARD_NAME
 
 
@@ -100,6 +108,11 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text()) if path.is_file() else {}
     except json.JSONDecodeError:
         return {}
+
+
+def _entry_ref(entry_dir: Path, repo_id: str | None) -> str:
+    """How the card's zoo commands name the entry: as `ascq zoo pull` names it from the Hub, else locally."""
+    return repo_id.split("/")[1] if repo_id else _local_ref(entry_dir)
 
 
 def _local_ref(entry_dir: Path) -> str:

@@ -28,8 +28,9 @@ from typing import Any
 from ascq.core.errors import AscqError
 from ascq.core.families.gemma3 import GEMMA3
 from ascq.core.families.registry import SUPPORTED_MODEL_TYPES, model_type_of_gguf, unsupported_model_type
-from ascq.formats.manifest import new_manifest, sha256_file, staged_entry, write_manifest
+from ascq.formats.manifest import check_output, new_manifest, sha256_file, staged_entry, write_manifest
 from ascq.paths import zoo_root
+from ascq.zoo.gguf_header import check_gguf_header
 from ascq.zoo.gguf_tokenizer import END_OF_TURN, gemma3_tokenizer
 
 EXTRA_MODULES = ("gguf", "accelerate")
@@ -133,6 +134,7 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
     """File-level facts from the GGUF header: quantization type, tensor types, license, names."""
     from gguf import GGUFReader, LlamaFileType
 
+    check_gguf_header(path)  # before gguf's reader allocates for what the header declares
     try:
         reader = GGUFReader(path)
     except Exception as exc:  # truncated or not a GGUF file
@@ -186,10 +188,11 @@ def import_gguf(
         raise AscqError(f"{file} is not a file")
     with tempfile.TemporaryDirectory(prefix="ascq-gguf-") as workdir:
         source = packaged_gguf(package, Path(workdir)) if package is not None else GGUFSource(Path(file))
+        target = Path(zoo or zoo_root()) / (name or default_entry_name(source))
+        check_output(target, overwrite=overwrite)
         meta = gguf_metadata(source.path)
         if model_type_of_gguf(meta["architecture"]) not in SUPPORTED_MODEL_TYPES:
             raise unsupported_model_type(meta["architecture"])
-        target = Path(zoo or zoo_root()) / (name or default_entry_name(source))
         with staged_entry(target, overwrite=overwrite) as staging:
             _write_hf_checkpoint(source.path, staging, dtype, meta)
             write_manifest(staging, _manifest(target.name, source, meta, dtype))

@@ -5,17 +5,35 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ascq.core.errors import AscqError
 from ascq.formats.manifest import MANIFEST_NAME, read_manifest
 from ascq.paths import zoo_root
 
-COLUMNS = ("name", "base model", "recipe", "format", "size", "ppl", "quality delta")
+COLUMNS = ("name", "base model", "recipe", "format", "size", "ppl", "quality delta", "ppl measured on")
 
 
 def list_entries(zoo: Path | None = None) -> list[dict[str, Any]]:
+    """Every entry's manifest; one that does not read (`read_manifest`'s one-line error) is listed as
+    invalid rather than hiding the others."""
     zoo = Path(zoo) if zoo else zoo_root()
     if not zoo.is_dir():
         return []
-    return [read_manifest(d) for d in sorted(zoo.iterdir()) if (d / MANIFEST_NAME).is_file()]
+    return [_read(d) for d in sorted(zoo.iterdir()) if (d / MANIFEST_NAME).is_file()]
+
+
+def _read(entry_dir: Path) -> dict[str, Any]:
+    try:
+        return read_manifest(entry_dir)
+    except AscqError:
+        return {"name": entry_dir.name, "format": "invalid ascq.json (zoo verify says why)"}
+
+
+def eval_label(metrics: dict[str, Any]) -> str:
+    """What an entry's perplexity was measured on (tokens and text): only rows with the same label compare."""
+    if not metrics.get("perplexity"):
+        return "-"
+    tokens = metrics.get("num_eval_tokens")
+    return f"{tokens:,d} tokens of {metrics.get('eval_text') or '?'}" if tokens else "?"
 
 
 def _human_size(num_bytes: float) -> str:
@@ -41,6 +59,7 @@ def _row(manifest: dict[str, Any]) -> tuple[str, ...]:
         "-" if planned else (_human_size(size) if size else "-"),
         f"{ppl:.3f}" if ppl else "-",
         delta,
+        eval_label(metrics),
     )
 
 
@@ -50,4 +69,6 @@ def format_table(manifests: list[dict[str, Any]]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     if not manifests:
         lines.append("(no entries)")
+    if len({row[-1] for row in rows[1:]} - {"-"}) > 1:
+        lines.append("perplexities compare only between rows measured on the same tokens (last column)")
     return "\n".join(lines)

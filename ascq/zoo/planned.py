@@ -244,4 +244,7 @@ def require_weights(entry_dir: Path) -> None:
         if command
         else "convert a model into it with `ascq convert MODEL --recipe NAME --out PATH`"
     )
-    raise AscqError(f"zoo entry {entry_dir.name} has no weights yet: {how}")
+    raise AscqError(
+        f"zoo entry {entry_dir.name} has no weights yet: {how}; or run it on random weights (shape, memory "
+        f"and speed only) with `ascq serve {entry_dir} --load-format dummy`"
+    )

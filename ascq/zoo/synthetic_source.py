@@ -12,7 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ascq.formats.manifest import new_manifest, read_manifest, resolve_entry, staged_entry, write_manifest
+from ascq.formats.manifest import (
+    check_output,
+    new_manifest,
+    read_manifest,
+    resolve_entry,
+    staged_entry,
+    write_manifest,
+)
 from ascq.quantize.outlier_stress import DEFAULT_K, DEFAULT_NUM_CHANNELS
 from ascq.quantize.synthetic import LAYER_STD_SPREAD, write_synthetic_checkpoint
 
@@ -26,12 +33,13 @@ def write_synthetic_source(
     """Write the synthetic checkpoint of `entry`'s config.json (a planned entry's config is enough) to
     `out`, atomically; an existing `out` is kept unless `overwrite`."""
     entry_dir, out = resolve_entry(entry), Path(out)
+    check_output(out, [entry_dir], overwrite)
     config = json.loads((entry_dir / "config.json").read_text())
     for key in ("quantization_config", "compression_config"):
         config.pop(key, None)
     source = read_manifest(entry_dir) if (entry_dir / "ascq.json").is_file() else {}
     start = time.perf_counter()
-    with staged_entry(out, overwrite=overwrite) as staging:
+    with staged_entry(out, overwrite, [entry_dir]) as staging:
         write_synthetic_checkpoint(
             staging, config, seed=seed, max_shard_bytes=int(max_shard_gib * GIB), trained_like=True
         )
