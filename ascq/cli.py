@@ -542,6 +542,30 @@ def serve(
             "less CPU."
         ),
     ] = 1,
+    max_logprobs: Annotated[
+        int, typer.Option(help="Most logprobs / prompt_logprobs per token a request may ask for, as vLLM.")
+    ] = 20,
+    max_prompt_chars: Annotated[
+        int | None,
+        typer.Option(
+            help="Characters per prompt, checked before tokenizing (default: max_model_len x the longest "
+            "token's characters)."
+        ),
+    ] = None,
+    max_returned_prompt_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Prompt tokens one response may return with echo / prompt_logprobs, over its prompts x n "
+            "(default: max_model_len, at least 16384)."
+        ),
+    ] = None,
+    engine_stall_timeout: Annotated[
+        float,
+        typer.Option(
+            help="/health answers 503 once the engine made no progress this many seconds while requests "
+            "wait (0: off)."
+        ),
+    ] = 0.0,
     tensor_parallel_size: TensorParallelSize = 1,
     pipeline_parallel_size: PipelineParallelSize = 1,
     enable_expert_parallel: EnableExpertParallel = False,
@@ -574,6 +598,9 @@ def serve(
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
         stream_interval=stream_interval,
+        max_prompt_chars=max_prompt_chars,
+        max_returned_prompt_tokens=max_returned_prompt_tokens,
+        engine_stall_timeout=engine_stall_timeout,
     )
 
     from ascq.formats.manifest import resolve_local_model
@@ -606,6 +633,7 @@ def serve(
         tokenizer=tokenizer,
         performance_mode=performance_mode,
         speculative_config=speculative_config,
+        max_logprobs=max_logprobs,
         **parallel_args(
             tensor_parallel_size,
             pipeline_parallel_size,

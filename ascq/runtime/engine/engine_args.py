@@ -53,6 +53,7 @@ class EngineArgs:
     served_model_name: str | None = None
     speculative_config: Any = None  # vLLM's dict (or its JSON text); validated into a SpeculativeConfig
     performance_mode: str | None = None  # latency | throughput (PERFORMANCE_MODES), None: the knobs as given
+    max_logprobs: int = 20  # vLLM's: most (prompt) logprobs per token a request may ask for; -1: no limit
     # vLLM's names: accepted with their meaning, or rejected with a reason (see check_vllm_args)
     gpu_memory_utilization: float | None = None  # share of free memory (RAM / HBM) for weights + KV cache
     # must match the checkpoint's quant_method; with load_format "dummy", may name a shipped recipe instead
@@ -101,6 +102,8 @@ class EngineArgs:
             raise AscqError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise AscqError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.max_logprobs < -1:
+            raise AscqError(f"max_logprobs must be -1 (no limit) or more, got {self.max_logprobs}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise AscqError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
         self._check_vllm_args()

@@ -140,6 +140,13 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if message := params.token_ids_in_range(self.vocab_size):
             raise ValueError(message)
+        max_logprobs = self.vocab_size if self.args.max_logprobs == -1 else self.args.max_logprobs
+        for kind, requested in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if requested is not None and requested > max_logprobs:  # vLLM's check and wording
+                raise ValueError(
+                    f"Requested {kind} logprobs of {requested}, which is greater than max allowed: "
+                    f"{max_logprobs} (max_logprobs, the server's --max-logprobs)"
+                )
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -171,7 +178,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self.pending_outputs = self.pending_outputs, []
         scheduled = self.scheduler.schedule()
-        self.num_step_tokens = sum(scheduled.num_scheduled_tokens)
+        self.num_step_tokens = 0
         if not scheduled.requests:
             return outputs
         logits, sampling = self.runner.execute(scheduled)
@@ -192,6 +199,9 @@ class LLMEngine:
             results = self.speculator.verify(
                 logits, sampling, [spec_of[id(r)] for r in sampling], self._sample
             )
+        # vLLM's iteration_tokens_total: the prompts whose prefill this step finished + the tokens generated
+        num_prefilled = sum(r.num_prompt_tokens for r in sampling if r.num_output_tokens == 0)
+        num_generated_before = self.num_generation_tokens
         for request, tokens in zip(sampling, results, strict=True):
             for result in tokens:
                 if not request.is_finished:
@@ -199,6 +209,7 @@ class LLMEngine:
             advanced[request.request_id] = None
         if self.speculator is not None:
             self._speculate(scheduled, sampling)
+        self.num_step_tokens = num_prefilled + self.num_generation_tokens - num_generated_before
         for request_id in advanced:
             output = self._output(request_id)
             outputs.append(output)

@@ -6,8 +6,11 @@ input becomes OpenAI's error JSON with a 4xx, never a 500. Engine work goes thro
 
 from __future__ import annotations
 
+import asyncio
+import codecs
 import dataclasses
 import functools
+import gc
 import hmac
 import json
 import logging
@@ -44,9 +47,11 @@ from ascq.runtime.server.protocol import (
     UnsupportedFieldError,
 )
 from ascq.runtime.server.responses import chat_request_data, create_response
-from ascq.runtime.server.serving import OpenAIServing
+from ascq.runtime.server.serving import OpenAIServing, RequestLimits, longest_token_chars
 
 MAX_BODY_BYTES = 16 << 20
+LARGE_BODY_BYTES = 1 << 20  # bodies above this are decoded in a worker thread (decode_json)
+DECODE_SLICE_BYTES = 1 << 20
 logger = logging.getLogger("ascq.serve")
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -60,15 +65,23 @@ def create_app(
     vocab_size: int,
     api_key: str | None = None,
     tool_options: Any = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
+        # as vLLM's server does: what startup made (torch, the tokenizer, the app) moves out of the garbage
+        # collector's reach, so a full collection scans only objects made since instead of stalling the
+        # event loop (every stream, /health) for up to a second
+        gc.collect()
+        gc.freeze()
         yield
         engine.stop()
 
     app = FastAPI(title="ascq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
-    serving = OpenAIServing(engine, tokenizer, prompter, model_names, max_model_len, vocab_size, tool_options)
+    serving = OpenAIServing(
+        engine, tokenizer, prompter, model_names, max_model_len, vocab_size, tool_options, limits
+    )
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(EngineDeadMiddleware, engine=engine)
     app.add_exception_handler(APIError, _api_error_response)
@@ -81,7 +94,13 @@ def create_app(
 def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if serving.engine.is_alive else 503)
+        engine = serving.engine
+        if engine.is_stalled:
+            logger.warning(
+                "health check: the engine has made no progress for over %s s while requests wait (503)",
+                engine.stall_timeout_s,
+            )
+        return Response(status_code=200 if engine.is_alive and not engine.is_stalled else 503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -115,11 +134,11 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        return serving.tokenize(await parse_body(request, TokenizeRequest))
+        return await serving.tokenize(await parse_body(request, TokenizeRequest))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        return serving.detokenize(await parse_body(request, DetokenizeRequest))
+        return await serving.detokenize(await parse_body(request, DetokenizeRequest))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -181,9 +200,9 @@ async def read_json_object(request: Request) -> dict[str, Any]:
             499, "client disconnected while sending the request", code="client_disconnected"
         ) from exc
     try:
-        data = json.loads(bytes(body).decode("utf-8"))
-        # lone surrogates (\ud800) cannot reach the tokenizer
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        data = (
+            await asyncio.to_thread(decode_json, body) if len(body) > LARGE_BODY_BYTES else decode_json(body)
+        )
     except UnicodeError as exc:
         raise APIError(400, f"request body is not valid UTF-8 text: {exc.reason}") from exc
     except json.JSONDecodeError as exc:
@@ -194,6 +213,21 @@ async def read_json_object(request: Request) -> dict[str, Any]:
         raise APIError(400, "request body JSON is nested too deeply") from exc
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    return data
+
+
+def decode_json(body: bytearray) -> Any:
+    """Strict UTF-8, then JSON, without lone surrogates (\\ud800: they cannot reach the tokenizer). The text
+    is decoded in slices: in a worker thread, the event loop gets its turns in between."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(body)
+    parts = [
+        decoder.decode(view[i : i + DECODE_SLICE_BYTES]) for i in range(0, len(body), DECODE_SLICE_BYTES)
+    ]
+    parts.append(decoder.decode(b"", final=True))
+    data = json.loads("".join(parts))
+    if b"\\ud" in body or b"\\uD" in body:  # only such an escape makes a surrogate: re-encode only then
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
     return data
 
 
@@ -293,6 +327,10 @@ class ServeOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     stream_interval: int = 1
+    # per-request limits (serving.RequestLimits; None: its defaults) and the /health stall check (0: off)
+    max_prompt_chars: int | None = None
+    max_returned_prompt_tokens: int | None = None
+    engine_stall_timeout: float = 0.0
 
     def __post_init__(self) -> None:
         from ascq.runtime.server.tool_calls import TOOL_CALL_PARSERS
@@ -306,6 +344,16 @@ class ServeOptions:
             raise AscqError(f"--port must be in [0, 65535], got {self.port}")
         if self.stream_interval < 1:
             raise AscqError(f"--stream-interval must be at least 1, got {self.stream_interval}")
+        for flag, value in (
+            ("--max-prompt-chars", self.max_prompt_chars),
+            ("--max-returned-prompt-tokens", self.max_returned_prompt_tokens),
+        ):
+            if value is not None and value < 1:
+                raise AscqError(f"{flag} must be at least 1, got {value}")
+        if not self.engine_stall_timeout >= 0:  # NaN too
+            raise AscqError(
+                f"--engine-stall-timeout must be 0 (off) or more seconds, got {self.engine_stall_timeout}"
+            )
         if self.api_key is not None and not self.api_key.strip():
             raise AscqError("--api-key must not be empty")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -434,6 +482,21 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
         tokenizer,
         ServerMetrics(model_name, core.info.get("cache_config")),
         stream_interval=options.stream_interval,
+        stall_timeout_s=options.engine_stall_timeout,
+    )
+    limits = RequestLimits.for_model(
+        core.info["max_model_len"],
+        longest_token_chars(tokenizer),
+        options.max_prompt_chars,
+        options.max_returned_prompt_tokens,
+    )
+    logger.info(
+        "limits per request: %d prompt characters, %d returned prompt tokens (echo, prompt_logprobs), "
+        "%d body bytes; engine stall check: %s",
+        limits.max_prompt_chars,
+        limits.max_returned_prompt_tokens,
+        MAX_BODY_BYTES,
+        f"{options.engine_stall_timeout:g} s" if options.engine_stall_timeout else "off",
     )
     app = create_app(
         async_engine,
@@ -444,6 +507,7 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
         core.info["vocab_size"],
         options.api_key,
         tool_options=options,
+        limits=limits,
     )
     uv_config = uvicorn.Config(
         app,

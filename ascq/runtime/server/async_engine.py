@@ -7,6 +7,9 @@ until a deadline and then fails the rest, so shutdown time is bounded. If the en
 request fails with a 503, new ones get 503, and `on_engine_dead` tells the server to exit non-zero (so a
 supervisor restarts it).
 
+`stall_timeout_s` (`--engine-stall-timeout`; 0: off): `is_stalled` says the engine has sent nothing for that
+long while requests wait on it (a stopped or wedged engine process), and /health answers 503.
+
 `stream_interval` (vLLM's `--stream-interval`): a request's output reaches its stream only at its first token,
 every `stream_interval` tokens after that, and when it finishes. Outputs are cumulative, so nothing is lost;
 fewer SSE events cost the server and the client less CPU per token (docs/benchmarks.md "Serving").
@@ -15,6 +18,7 @@ fewer SSE events cost the server and the client less CPU per token (docs/benchma
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -47,12 +51,23 @@ class _Tracked:
 
 @dataclass
 class RequestGroup:
-    """The asyncio side of the engine requests of one HTTP request (one per prompt), sharing one queue."""
+    """The asyncio side of the engine requests of one HTTP request (one per prompt), sharing one queue.
+
+    `request_id` is the id the client sees (its own `request_id`, echoed); the engine requests have ids of
+    their own, `{request_id}-{prompt index}-{serial}` with a serial unique in this server (vLLM's approach),
+    so a client that reuses or guesses another request's id can never reach or disturb that request."""
 
     engine: AsyncEngine
-    request_ids: list[str] = field(default_factory=list)
+    request_id: str
+    request_ids: list[str] = field(default_factory=list)  # the engine ids, in prompt order
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
+    _prompt_index: dict[str, int] = field(default_factory=dict)
+
+    def add(self, engine_id: str) -> None:
+        self._prompt_index[engine_id] = len(self.request_ids)
+        self.request_ids.append(engine_id)
+        self.unfinished.add(engine_id)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
         """Yields (prompt index, cumulative RequestOutput) until every request finished."""
@@ -60,7 +75,7 @@ class RequestGroup:
             for item in await self._latest():
                 if item.finished:
                     self.unfinished.discard(item.request_id)
-                yield self.request_ids.index(item.request_id), item
+                yield self._prompt_index[item.request_id], item
 
     async def _latest(self) -> list[Any]:
         """The next outputs, only the newest per request: outputs are cumulative, so a reader that fell behind
@@ -90,14 +105,18 @@ class AsyncEngine:
         metrics: ServerMetrics,
         on_engine_dead: Callable[[], None] | None = None,
         stream_interval: int = 1,
+        stall_timeout_s: float = 0.0,
     ) -> None:
         self.core = core
         self.stream_interval = stream_interval
+        self.stall_timeout_s = stall_timeout_s
+        self._last_progress = time.monotonic()  # the last message from the core, or the first request since
         self.metrics = metrics
         self.on_engine_dead = on_engine_dead
         self.loop: asyncio.AbstractEventLoop | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
+        self._serials = itertools.count()  # makes every engine request id unique (RequestGroup)
         self._admitting: dict[str, asyncio.Future] = {}
         self._processor = OutputProcessor(tokenizer, set(core.info["eos_token_ids"]))
         self._stopping = False
@@ -114,23 +133,32 @@ class AsyncEngine:
         return not self._dead and self.core.is_alive()
 
     @property
+    def is_stalled(self) -> bool:
+        """Requests wait on the engine, and it has sent nothing for stall_timeout_s (when that is set)."""
+        busy = bool(self._tracked or self._admitting)
+        idle_s = time.monotonic() - self._last_progress
+        return busy and self.stall_timeout_s > 0 and idle_s > self.stall_timeout_s
+
+    @property
     def is_draining(self) -> bool:
         return self._drain_deadline is not None
 
     async def submit(
         self, request_id: str, prompts: list[str | list[int]], params: Any, cache_salt: str | None = None
     ) -> RequestGroup:
-        """Submit one engine request per prompt; raises ValueError (a prompt does not fit, bad params) or
-        APIError (draining / engine dead). Abort the group (or iterate it to the end) when done."""
+        """Submit one engine request per prompt under `request_id` (the client's; any string, duplicates
+        welcome); raises ValueError (a prompt does not fit, bad params) or APIError (draining / engine dead).
+        Abort the group (or iterate it to the end) when done."""
         if self.is_draining or not self.is_alive:
             raise APIError(503, "the server is shutting down" if self.is_draining else ENGINE_DEAD_MESSAGE)
-        group = RequestGroup(self)
+        group = RequestGroup(self, request_id)
         admitted = []
         now = time.monotonic()
+        if not self._tracked and not self._admitting:  # an idle engine sends nothing: its clock starts now
+            self._last_progress = now
         for i, prompt in enumerate(prompts):
-            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            group.request_ids.append(sub_id)
-            group.unfinished.add(sub_id)
+            sub_id = f"{request_id}-{i}-{next(self._serials)}"
+            group.add(sub_id)
             self._tracked[sub_id] = _Tracked(group.out, arrival=now)
             token_ids = self._processor.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self._processor.add(sub_id, prompt if isinstance(prompt, str) else None, token_ids, params)
@@ -197,6 +225,7 @@ class AsyncEngine:
     # ---- event loop: messages from the core --------------------------------------------------------------
 
     def _handle(self, message: tuple) -> None:
+        self._last_progress = time.monotonic()
         kind = message[0]
         if kind == "outputs":
             self._dispatch(message[1])

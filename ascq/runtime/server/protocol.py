@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 logger = logging.getLogger("ascq.serve")
 
 VLLM_API_VERSION = "0.11.0"  # the vLLM release whose OpenAI server behaviour this one follows (GET /version)
-MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_BATCH = 2048  # prompts in one /v1/completions request, OpenAI's limit
 INT64_MAX = 2**63 - 1
@@ -66,6 +65,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "moderation": ((), "moderation is not supported"),
     "prediction": ((), "predicted outputs are not supported"),
     "web_search_options": ((), "web search is not supported"),
+    "use_beam_search": ((False,), "beam search is not implemented; sample several choices with n instead"),
 }
 # OpenAI fields that do not change what is generated here (stored completions, routing and tiering hints):
 # accepted and named in one warning, as vLLM does
@@ -175,7 +175,7 @@ class SamplingFields(StrictModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None  # at most --max-logprobs (the engine checks)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -192,10 +192,14 @@ class SamplingFields(StrictModel):
     priority: int = 0
 
     @model_validator(mode="after")
-    def _prompt_logprobs_not_streamed(self) -> SamplingFields:
+    def _stream_fields_match_stream(self) -> SamplingFields:
         if self.prompt_logprobs is not None and self.stream:
             raise UnsupportedFieldError(
                 "prompt_logprobs", "prompt_logprobs are not available when streaming (as in vLLM)"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedFieldError(
+                "stream_options", "stream_options can only be given when stream is true (as in vLLM)"
             )
         return self
 
@@ -226,7 +230,7 @@ def prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[s
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and other special tokens) on text prompts
@@ -316,7 +320,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
     add_generation_prompt: bool = True
     # vLLM's chat fields: continue the last (assistant) message instead of starting a new one; special tokens
     # on top of the template's (vLLM's default: none); extra variables and documents for the template; the
@@ -329,6 +333,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: the reply starts with the last message's content when that message has the reply's role
+    echo: bool = False
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -4,6 +4,11 @@ response.
 Prompts are tokenized here (the same `tokenizer.encode` the engine applies to text prompts; chat prompts
 through the chat template without special tokens) so that length errors name both numbers before the engine
 sees them.
+
+Work that grows with the input (tokenizing, rendering the chat template, detokenizing, building a complete
+response) runs in a worker thread (`asyncio.to_thread`), never on the event loop: one large request cannot
+stall /health or the other requests' streams. Per-request limits (`RequestLimits`) bound what one request may
+cost before that work starts.
 """
 
 from __future__ import annotations
@@ -57,6 +62,40 @@ from ascq.runtime.server.tool_calls import (
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MIN_RETURNED_PROMPT_TOKENS = 16384  # the default --max-returned-prompt-tokens, when max_model_len is shorter
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one request may cost (`ascq serve` flags; README "Serving limits").
+
+    max_prompt_chars: characters of one prompt (a chat's messages together), checked before tokenizing.
+    max_returned_prompt_tokens: prompt tokens a response carries back (`echo`, `prompt_logprobs`), summed
+    over its prompts and choices (n): the two fields that turn a small request into a large response."""
+
+    max_prompt_chars: int
+    max_returned_prompt_tokens: int
+
+    @classmethod
+    def for_model(
+        cls,
+        max_model_len: int,
+        longest_token_chars: int,
+        max_prompt_chars: int | None = None,
+        max_returned_prompt_tokens: int | None = None,
+    ) -> RequestLimits:
+        """The defaults never refuse what could be served: a prompt longer than max_model_len tokens of the
+        vocabulary's longest token cannot fit; one full-length prompt's tokens always come back."""
+        return cls(
+            max_prompt_chars or max_model_len * max(1, longest_token_chars),
+            max_returned_prompt_tokens or max(max_model_len, MIN_RETURNED_PROMPT_TOKENS),
+        )
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token string (at least the text one token can stand for:
+    byte-level and sentencepiece token strings spell out every byte or character of it)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
 class OpenAIServing:
@@ -69,9 +108,11 @@ class OpenAIServing:
         max_model_len: int,
         vocab_size: int,
         tool_options: Any = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.engine = engine
         self.enable_auto_tool_choice = bool(tool_options and tool_options.enable_auto_tool_choice)
+        self.limits = limits or RequestLimits.for_model(max_model_len, longest_token_chars(tokenizer))
         self.tokenizer = tokenizer
         self.prompter = prompter
         # every name clients may use (vLLM's --served-model-name a b); responses carry the first
@@ -116,32 +157,45 @@ class OpenAIServing:
             "clean_up_tokenization_spaces": getattr(tok, "clean_up_tokenization_spaces", None),
         }
 
-    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self._check_model(body.model)
         if body.messages is not None:
-            ids = self.prompter.render(
-                [m.as_template_dict() for m in body.messages], body.add_generation_prompt
+            self._check_prompt_chars(sum(len(m.text) for m in body.messages), "the messages", "messages")
+            ids = await asyncio.to_thread(
+                self.prompter.render,
+                [m.as_template_dict() for m in body.messages],
+                body.add_generation_prompt,
             )
         else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        result: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
-        if body.return_token_strs:
-            result["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
-        return result
+            self._check_prompt_chars(len(body.prompt), "the prompt", "prompt")
+            ids = await asyncio.to_thread(
+                self.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
+        # vLLM's TokenizeResponse: token_strs is always there, null unless asked for
+        token_strs = (
+            await asyncio.to_thread(self.tokenizer.convert_ids_to_tokens, ids)
+            if body.return_token_strs
+            else None
+        )
+        return {
+            "count": len(ids),
+            "max_model_len": self.max_model_len,
+            "tokens": ids,
+            "token_strs": token_strs,
+        }
 
-    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self._check_model(body.model)
         if not all(0 <= t < self.vocab_size for t in body.tokens):
             raise APIError(400, f"tokens has token ids outside [0, {self.vocab_size})", param="tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         self._check_priority(body)
-        prompts = [
-            self._prompt_ids(prompt, i, body.add_special_tokens, body.truncate_prompt_tokens)
-            for i, prompt in enumerate(body.prompts())
-        ]
+        prompts = await self._prompts_ids(
+            body.prompts(), body.add_special_tokens, body.truncate_prompt_tokens
+        )
         score_only = body.max_tokens == 0  # echo with no new tokens: the engine makes one, it is dropped
         max_tokens = 1 if score_only else (body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
         for ids in prompts:
@@ -149,6 +203,8 @@ class OpenAIServing:
         params = self._sampling_params(body, max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:  # echoed prompt tokens carry their logprobs too
             params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
+        if body.echo or params.prompt_logprobs is not None:
+            self._check_returned_prompt_tokens(prompts, body.n, "echo" if body.echo else "prompt_logprobs")
         request_id = request_id_of("cmpl", body)
         group = await self._submit(request_id, prompts, params, body.cache_salt)
         if score_only:
@@ -156,6 +212,9 @@ class OpenAIServing:
         if body.stream:
             return _event_stream(self._completion_chunks(group, body, request_id), group)
         finals = await _final_outputs(group, request)
+        return await asyncio.to_thread(self._completion_response, body, request_id, finals)
+
+    def _completion_response(self, body: CompletionRequest, request_id: str, finals: list[Any]) -> Response:
         choices = [
             self._completion_choice(body, i, final, o)
             for i, final in enumerate(finals)
@@ -178,10 +237,9 @@ class OpenAIServing:
                 "the model's hidden size",
                 param="dimensions",
             )
-        prompts = [
-            self._prompt_ids(prompt, i, body.add_special_tokens, body.truncate_prompt_tokens)
-            for i, prompt in enumerate(prompt_list(body.input))
-        ]
+        prompts = await self._prompts_ids(
+            prompt_list(body.input), body.add_special_tokens, body.truncate_prompt_tokens, "input"
+        )
         for i, ids in enumerate(prompts):
             if len(ids) >= self.max_model_len:
                 raise APIError(
@@ -193,6 +251,11 @@ class OpenAIServing:
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling="last")
         request_id = request_id_of("embd", body)
         finals = await _final_outputs(await self._submit(request_id, prompts, params), request)
+        return await asyncio.to_thread(self._embedding_response, body, request_id, prompts, finals)
+
+    def _embedding_response(
+        self, body: EmbeddingRequest, request_id: str, prompts: list[list[int]], finals: list[Any]
+    ) -> Response:
         data = [
             EmbeddingData(index=i, embedding=encode_embedding(final.prompt_embedding, body.encoding_format))
             for i, final in enumerate(finals)
@@ -213,7 +276,9 @@ class OpenAIServing:
         template_kwargs = dict(body.chat_template_kwargs or {})
         if body.reasoning_effort is not None:  # as vLLM: a variable the template may read
             template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-        ids = self.prompter.render(
+        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "the messages", "messages")
+        ids = await asyncio.to_thread(
+            self.prompter.render,
             messages,
             body.add_generation_prompt,
             tools,
@@ -236,15 +301,25 @@ class OpenAIServing:
                 param="tool_choice",
             )
         params = self._sampling_params(body, max_tokens, top_n, forced)
+        if params.prompt_logprobs is not None:
+            self._check_returned_prompt_tokens([ids], body.n, "prompt_logprobs")
         group = await self._submit(request_id_of("chatcmpl", body), [ids], params, body.cache_salt)
         if body.stream and mode is None:
             return _event_stream(self._chat_chunks(group, body, top_n), group)
         if body.stream:
             return _event_stream(self._chat_tool_chunks(group, body, top_n, mode), group)
         (final,) = await _final_outputs(group, request)
+        return await asyncio.to_thread(self._chat_response, body, group.request_id, final, top_n, mode)
+
+    def _chat_response(
+        self, body: ChatCompletionRequest, request_id: str, final: Any, top_n: int | None, mode: str | None
+    ) -> Response:
         choices = [self._chat_choice(o, body, top_n, mode) for o in final.outputs]
+        if echo := chat_echo_text(body):
+            for choice in choices:
+                choice.message.content = echo + (choice.message.content or "")
         response = ChatCompletionResponse(
-            id=group.request_ids[0],
+            id=request_id,
             model=self.model_name,
             choices=choices,
             usage=_usage([final]),
@@ -315,6 +390,49 @@ class OpenAIServing:
                 "(priority 0)",
                 param="priority",
             )
+
+    def _check_prompt_chars(self, num_chars: int, what: str, param: str) -> None:
+        limit = self.limits.max_prompt_chars
+        if num_chars > limit:
+            raise APIError(
+                400,
+                f"{what} has {num_chars} characters, more than this server's limit of {limit} per prompt "
+                f"(--max-prompt-chars)",
+                param=param,
+                code="prompt_too_long",
+            )
+
+    def _check_returned_prompt_tokens(self, prompts: list[list[int]], n: int, param: str) -> None:
+        """Refuses a request whose response would carry back more prompt tokens (echo, prompt logprobs) than
+        the limit: each prompt's tokens once per choice."""
+        num_tokens = sum(len(ids) for ids in prompts) * n
+        limit = self.limits.max_returned_prompt_tokens
+        if num_tokens > limit:
+            raise APIError(
+                400,
+                f"{param} would return {num_tokens} prompt tokens ({len(prompts)} prompts x n {n}), more "
+                f"than this server's limit of {limit} per request (--max-returned-prompt-tokens)",
+                param=param,
+                code="response_too_large",
+            )
+
+    async def _prompts_ids(
+        self,
+        prompts: list[str | list[int]],
+        add_special_tokens: bool,
+        truncate_prompt_tokens: int | None,
+        param: str = "prompt",
+    ) -> list[list[int]]:
+        """Every prompt's token ids, tokenized in a worker thread after the character limit is checked."""
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                self._check_prompt_chars(len(prompt), f"{param} {i}", param)
+        return await asyncio.to_thread(
+            lambda: [
+                self._prompt_ids(prompt, i, add_special_tokens, truncate_prompt_tokens)
+                for i, prompt in enumerate(prompts)
+            ]
+        )
 
     def _prompt_ids(
         self,
@@ -414,21 +532,8 @@ class OpenAIServing:
         async for i, output, o, start in _deltas(group, finals):
             if body.echo and (i, o.index) not in echoed:  # the prompt goes first, once per choice
                 echoed.add((i, o.index))
-                prompt_text = self._prompt_text(body, i, output)
-                prompt_logprobs = self.logprobs.completion(
-                    output.prompt_token_ids, output.prompt_logprobs, body.logprobs, 0
-                )
-                yield _sse(
-                    CompletionResponse(
-                        id=request_id,
-                        model=self.model_name,
-                        choices=[
-                            CompletionChoice(
-                                index=i * body.n + o.index, text=prompt_text, logprobs=prompt_logprobs
-                            )
-                        ],
-                    ),
-                    include_usage,
+                yield await asyncio.to_thread(
+                    self._echo_chunk, body, request_id, i * body.n + o.index, i, output, include_usage
                 )
             chunk = CompletionResponse(
                 id=request_id,
@@ -451,12 +556,25 @@ class OpenAIServing:
             usage = _usage([finals[i] for i in sorted(finals)])
             yield _sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
 
+    def _echo_chunk(
+        self, body: CompletionRequest, request_id: str, index: int, i: int, output: Any, include_usage: bool
+    ) -> str:
+        """A completions stream's echoed prompt (and its logprobs) for choice `index` of prompt `i`."""
+        prompt_logprobs = self.logprobs.completion(
+            output.prompt_token_ids, output.prompt_logprobs, body.logprobs, 0
+        )
+        choice = CompletionChoice(
+            index=index, text=self._prompt_text(body, i, output), logprobs=prompt_logprobs
+        )
+        response = CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
+        return _sse(response, include_usage)
+
     def _chat_chunk_writer(self, group: RequestGroup, include_usage: bool):
         """A chat stream's chunk as an SSE event (usage left out unless the client asked for it)."""
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
             response = ChatCompletionChunk(
-                id=group.request_ids[0], model=self.model_name, choices=choices, usage=usage
+                id=group.request_id, model=self.model_name, choices=choices, usage=usage
             )
             return _sse(response, include_usage)
 
@@ -467,7 +585,8 @@ class OpenAIServing:
 
         chunk = self._chat_chunk_writer(group, include_usage)
 
-        yield chunk(_role_choices(body.n))
+        for opening in _opening_choices(body):
+            yield chunk(opening)
         finals: dict[int, Any] = {}
         async for _, output, o, start in _deltas(group, finals):
             logprobs = self.logprobs.chat(o.token_ids[start[1] :], (o.logprobs or [])[start[1] :], top_n)
@@ -495,7 +614,8 @@ class OpenAIServing:
 
         chunk = self._chat_chunk_writer(group, include_usage)
 
-        yield chunk(_role_choices(body.n))
+        for opening in _opening_choices(body):
+            yield chunk(opening)
         finals: dict[int, Any] = {}
         async for _, output, o, start in _deltas(group, finals):
             stream = streams.setdefault(o.index, tool_call_stream(body, mode))
@@ -585,15 +705,23 @@ class ScoredPromptGroup:
 
 
 async def _deltas(group: RequestGroup, finals: dict[int, Any]):
-    """(prompt index, output, completion, (chars, tokens) already sent) for each completion with new text."""
+    """(prompt index, output, completion, (chars, tokens) already sent) for each completion with new text,
+    and once for each completion when it finishes (outputs are cumulative: with n > 1, a choice that finished
+    early is in every later output too, and its finish must not be sent again)."""
     sent: dict[tuple[int, int], tuple[int, int]] = {}
+    finished: set[tuple[int, int]] = set()
     async for i, output in group:
         finals[i] = output
         for o in output.outputs:
-            start = sent.get((i, o.index), (0, 0))
+            key = (i, o.index)
+            if key in finished:
+                continue
+            start = sent.get(key, (0, 0))
             if len(o.text) > start[0] or o.finish_reason is not None:
                 yield i, output, o, start
-                sent[(i, o.index)] = (len(o.text), len(o.token_ids))
+                sent[key] = (len(o.text), len(o.token_ids))
+                if o.finish_reason is not None:
+                    finished.add(key)
 
 
 def _event_stream(chunks: Any, group: RequestGroup) -> StreamingResponse:
@@ -623,9 +751,24 @@ def _sse_json(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def _role_choices(n: int) -> list[ChatChunkChoice]:
-    """A chat stream's first chunk: the assistant role for each of the n choices."""
-    return [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)]
+def _opening_choices(body: ChatCompletionRequest) -> list[list[ChatChunkChoice]]:
+    """A chat stream's first chunks: the assistant role for each of the n choices, then, with `echo`, the
+    echoed text for each choice in a chunk of its own (as vLLM streams them)."""
+    n = body.n
+    chunks = [[ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)]]
+    if echo := chat_echo_text(body):
+        chunks += [[ChatChunkChoice(index=i, delta=DeltaMessage(content=echo))] for i in range(n)]
+    return chunks
+
+
+def chat_echo_text(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's content when that message has the reply's role (the assistant
+    with add_generation_prompt, else the last message's own: the reply continues it); else nothing."""
+    if not body.echo:
+        return ""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    return last.text if last.role == role else ""
 
 
 def usage_options(body: SamplingFields) -> tuple[bool, bool]:

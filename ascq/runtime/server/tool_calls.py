@@ -105,12 +105,13 @@ def forced_tool_structure(body: ChatCompletionRequest, mode: str | None) -> Stru
         function = next(t.function for t in body.tools if t.function.name == name)
         return StructuredOutputsParams(json=function.parameters or {"type": "object"})
     if mode == "required":
+        definitions: dict[str, Any] = {}
         variants = [
             {
                 "type": "object",
                 "properties": {
                     "name": {"const": t.function.name},
-                    "arguments": t.function.parameters or {"type": "object"},
+                    "arguments": _hoist_definitions(t.function.parameters or {"type": "object"}, definitions),
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
@@ -118,10 +119,32 @@ def forced_tool_structure(body: ChatCompletionRequest, mode: str | None) -> Stru
             for t in body.tools
         ]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+        if definitions:
+            schema["$defs"] = definitions
         if body.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
     return None
+
+
+def _hoist_definitions(parameters: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
+    """`parameters` without its `$defs`, which move into `definitions`: a tool's `$ref: "#/$defs/X"` points
+    at the root of the schema, and in the "required" schema the tool's parameters are no longer the root (as
+    vLLM does). Two tools defining one name differently is a 400."""
+    if "$defs" not in parameters:
+        return parameters
+    parameters = dict(parameters)
+    hoisted = parameters.pop("$defs")
+    if not isinstance(hoisted, dict):
+        raise APIError(400, "a tool's parameters.$defs must be an object", param="tools")
+    for name, definition in hoisted.items():
+        if definitions.setdefault(name, definition) != definition:
+            raise APIError(
+                400,
+                f"tools define the schema '$defs/{name}' differently; give each definition one name",
+                param="tools",
+            )
+    return parameters
 
 
 def new_call_id() -> str:
