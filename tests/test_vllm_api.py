@@ -236,6 +236,7 @@ def test_vllm_only_keywords_accepted_when_harmless(tiny_llama_dir, caplog) -> No
             enable_log_requests=False,
             kv_cache_memory_bytes=1 << 22,
             tokenizer_mode="auto",
+            generation_config="vllm",
         )
     assert args.kv_cache_memory == 1 << 22  # vLLM's name for ascq's setting
     logged = [r.getMessage() for r in caplog.records]
@@ -251,6 +252,8 @@ def test_vllm_only_keywords_accepted_when_harmless(tiny_llama_dir, caplog) -> No
         ({"data_parallel_size": 2}, "data parallelism"),
         ({"scheduling_policy": "priority"}, "first come, first served"),
         ({"tokenizer_mode": "mistral"}, "Hugging Face tokenizer"),
+        ({"reasoning_parser": "qwen3"}, "offline: ascq applies it in ascq serve --reasoning-parser"),
+        ({"generation_config": "auto"}, "--generation-config"),
     ],
 )
 def test_vllm_only_keywords_refused_when_they_would_change_something(tiny_llama_dir, keywords, message):

@@ -434,6 +434,13 @@ VLLM_ARGS: dict[str, VllmArg] = {
 }
 # vLLM's name -> ascq's for the same setting
 ENGINE_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
+# vLLM engine fields that ascq implements in the server only (`ascq serve` options): the values that mean
+# "nothing" are accepted offline, others refused with the option to use
+SERVER_ONLY = {
+    "generation_config": ("--generation-config", one_of("vllm")),
+    "override_generation_config": ("--override-generation-config", unset),
+    "reasoning_parser": ("--reasoning-parser", unset),
+}
 
 
 def classify(name: str, value: Any, shown: str) -> str:
@@ -466,8 +473,15 @@ def engine_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
             kept[ENGINE_ALIASES[name]] = value
         elif name in vllm:
             logger.info(classify(name, value, f"{cls.__name__}({name}={value!r})"))
+        elif name in SERVER_ONLY:
+            option, harmless = SERVER_ONLY[name]
+            if not harmless(value):
+                raise UnsupportedError(
+                    f"{cls.__name__}({name}={value!r}) is not supported offline: ascq applies it in "
+                    f"ascq serve {option}"
+                )
         else:
-            close = closest_name(name, own | vllm | set(ENGINE_ALIASES))
+            close = closest_name(name, own | vllm | set(ENGINE_ALIASES) | set(SERVER_ONLY))
             hint = f"; did you mean {close!r}?" if close else ""
             raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}{hint}")
     return kept
