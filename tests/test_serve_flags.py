@@ -97,6 +97,7 @@ def test_table_has_no_entry_the_command_declares_or_vllm_lacks() -> None:
         (["M", "--compilation-config", '{"level": 3}'], ["M"], '--compilation-config {"level": 3}: accepted'),
         (["M", "--chat-template", "--enable-lora"], ["M", "--chat-template", "--enable-lora"], None),
         (["--model", "M", "--seed", "3"], ["M", "--seed", "3"], None),
+        (["M", "--max_num_seqs=4", "--disable_log_stats"], ["M", "--max-num-seqs=4"], "--disable_log_stats"),
         (["M", "--max-log-len", "100"], ["M"], "--max-log-len 100: accepted"),
     ],
 )

@@ -550,6 +550,8 @@ def split_vllm_flags(argv: list[str], declared: dict[str, bool]) -> tuple[list[s
         token = argv[i]
         i += 1
         flag = token.split("=", 1)[0]
+        if flag.startswith("--") and flag.replace("_", "-") in declared:  # vLLM: --max_num_seqs too
+            token, flag = flag.replace("_", "-") + token[len(flag) :], flag.replace("_", "-")
         if flag in declared:
             kept.append(token)
             if declared[flag] and "=" not in token and i < len(argv):
