@@ -97,7 +97,7 @@ def main() -> None:
     # a request aborted after its first step ends with finish_reason "abort"
     engine.add_request("aborted", "Once upon a time", SamplingParams(max_tokens=50))
     engine.step()
-    engine.abort_request("aborted")
+    engine.abort_request(["aborted"])
     while engine.has_unfinished_requests():
         for output in engine.step():
             reason = output.outputs[0].finish_reason

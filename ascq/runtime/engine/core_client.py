@@ -10,6 +10,7 @@ does. Same methods as `LLMEngine` where `LLM` uses them.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable
 from typing import Any
 
 from ascq.core.errors import AscqError
@@ -95,10 +96,11 @@ class EngineCoreClient:
                 return
             self.ready += self._handle(reply)
 
-    def abort_request(self, request_id: str) -> None:
-        if request_id in self.processor.requests:
-            self.processor.forget(request_id)
-            self._send(("abort", request_id))
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+            if one in self.processor.requests:
+                self.processor.forget(one)
+                self._send(("abort", one))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.processor.requests) or bool(self.ready)

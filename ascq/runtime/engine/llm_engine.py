@@ -4,7 +4,7 @@ API)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -183,15 +183,18 @@ class LLMEngine:
                 f"{self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens available"
             )
 
-    def abort_request(self, request_id: str) -> None:
-        sequences = self.requests.get(request_id)
-        if sequences is None:
-            return
-        for sequence in sequences:
-            if not sequence.is_finished:
-                self._finish(sequence, "abort")
-        self.pending_outputs.append(self._output(request_id))
-        self._forget(request_id)
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """vLLM's: one id or several; each unfinished request's next output is its last (finish_reason
+        "abort"); unknown ids are ignored, as finished requests are."""
+        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+            sequences = self.requests.get(one)
+            if sequences is None:
+                continue
+            for sequence in sequences:
+                if not sequence.is_finished:
+                    self._finish(sequence, "abort")
+            self.pending_outputs.append(self._output(one))
+            self._forget(one)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.pending_outputs)
