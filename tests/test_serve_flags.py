@@ -114,6 +114,10 @@ def test_vllm_flag_forms(argv, kept, note) -> None:
         (["--lora-modules", "a=/x", "b=/y"], "--lora-modules a=/x b=/y is not supported: LoRA"),
         (["--structured-outputs-config.backend", "outlines"], "--structured-outputs-config.backend outlines"),
         (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
+        (
+            ["--no-disable-log-requests"],
+            "--no-disable-log-requests is not supported: ascq does not log requests",
+        ),
         (["--enable-chunked-prefill=false"], "--enable-chunked-prefill=false is not supported"),
         (
             ["--data-parallel-size", "2"],

@@ -275,7 +275,7 @@ VLLM_ARGS: dict[str, VllmArg] = {
             "disable_log_stats aggregate_engine_logging",
         ),
         *_args("bool", is_false, NO_REQUEST_LOG, "enable_log_requests"),
-        *_args("bool", any_value, NO_REQUEST_LOG, "disable_log_requests"),
+        *_args("bool", is_true, NO_REQUEST_LOG, "disable_log_requests"),
         # ---- `vllm serve` frontend (vllm/entrypoints/openai/cli_args.py) ----
         *_args("flag", None, "multi-node serving uses --nnodes / --node-rank", "headless", engine=False),
         *_args("value", one_of("1"), "ascq runs one API server process", "api_server_count", engine=False),
@@ -335,7 +335,7 @@ VLLM_ARGS: dict[str, VllmArg] = {
         ),
         *_args(
             "bool",
-            any_value,
+            is_true,
             "/tokenizer_info is always served",
             "enable_tokenizer_info_endpoint",
             engine=False,
@@ -414,7 +414,7 @@ VLLM_ARGS: dict[str, VllmArg] = {
             "enable_request_id_headers",
             engine=False,
         ),
-        *_args("bool", any_value, "ascq serves no API docs pages", "disable_fastapi_docs", engine=False),
+        *_args("bool", is_true, "ascq serves no API docs pages", "disable_fastapi_docs", engine=False),
         *_args("bool", is_false, "ascq serves no API docs pages", "enable_offline_docs", engine=False),
         *_args(
             "value",
