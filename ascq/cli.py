@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.main
 
 try:  # recent typer vendors click
     from typer._click import exceptions as click_exceptions
@@ -341,8 +342,10 @@ LoadFormat = Annotated[
 Quantization = Annotated[
     str | None,
     typer.Option(
+        "--quantization",
+        "-q",
         help="Expected checkpoint quant_method (checked); with --load-format dummy, a recipe name "
-        "(awq-int4, w8a8, ...) for the dummy weights' format."
+        "(awq-int4, w8a8, ...) for the dummy weights' format.",
     ),
 ]
 Tokenizer = Annotated[
@@ -503,7 +506,12 @@ def serve(
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
     kv_cache_dtype: Annotated[str, typer.Option(help="auto or fp8 (e4m3).")] = "auto",
     kv_cache_memory: Annotated[
-        int | None, typer.Option(help="KV-cache bytes (default: a share of free memory).")
+        int | None,
+        typer.Option(
+            "--kv-cache-memory",
+            "--kv-cache-memory-bytes",
+            help="KV-cache bytes (default: a share of free memory).",
+        ),
     ] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto, float32, bfloat16, float16.")] = "auto",
     device: Annotated[str, typer.Option(help="cpu, reference, cuda or npu.")] = "cpu",
@@ -574,10 +582,57 @@ def serve(
     master_addr: MasterAddr = "127.0.0.1",
     master_port: MasterPort = None,
     speculative_config: SpeculativeConfig = None,
+    num_gpu_blocks_override: Annotated[
+        int | None, typer.Option(help="KV-cache blocks to allocate, instead of sizing them from memory.")
+    ] = None,
+    swap_space: Annotated[
+        float, typer.Option(help="vLLM's CPU swap (GiB): 0 only (preempted requests are recomputed).")
+    ] = 0,
+    cpu_offload_gb: Annotated[float, typer.Option(help="vLLM's weight offloading (GiB): 0 only.")] = 0,
+    trust_remote_code: Annotated[
+        bool, typer.Option(help="vLLM's: off only (ascq runs only its own model code).")
+    ] = False,
+    return_tokens_as_token_ids: Annotated[
+        bool, typer.Option(help="Logprobs name tokens as 'token_id:N' instead of their text (vLLM's).")
+    ] = False,
+    enable_prompt_tokens_details: Annotated[
+        bool, typer.Option(help="Usage carries prompt_tokens_details.cached_tokens (prefix-cache hits).")
+    ] = False,
+    enable_force_include_usage: Annotated[
+        bool, typer.Option(help="Streams end with a usage chunk even without stream_options.include_usage.")
+    ] = False,
+    root_path: Annotated[
+        str | None, typer.Option(help="Path prefix a reverse proxy serves the API under (e.g. /llm).")
+    ] = None,
+    generation_config: Annotated[
+        str,
+        typer.Option(
+            help="Default sampling parameters: auto (the model's generation_config.json), vllm (none), or "
+            "a folder with a generation_config.json; its max_new_tokens caps every request."
+        ),
+    ] = "auto",
+    override_generation_config: Annotated[
+        str | None,
+        typer.Option(help="JSON merged over --generation-config, e.g. '{\"temperature\": 0.5}'."),
+    ] = None,
+    reasoning_parser: Annotated[
+        str | None,
+        typer.Option(
+            help="Split <think> reasoning into reasoning_content (chat): deepseek_r1 or qwen3, as vLLM."
+        ),
+    ] = None,
+    uvicorn_log_level: Annotated[
+        str, typer.Option(help="uvicorn's log level: critical, error, warning, info, debug, trace.")
+    ] = "info",
+    disable_uvicorn_access_log: Annotated[
+        bool, typer.Option(help="No access-log line per HTTP request.")
+    ] = False,
 ) -> None:
     """Serve MODEL with an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
 
-    With --nnodes N, run the same command on every node with its --node-rank; node 0 serves."""
+    With --nnodes N, run the same command on every node with its --node-rank; node 0 serves. Every other
+    `vllm serve` flag is accepted with a log line where it changes nothing here, else refused naming itself
+    (ascq/runtime/engine/vllm_args.py)."""
     import os
 
     from ascq.runtime.distributed.rendezvous import is_headless
@@ -601,6 +656,15 @@ def serve(
         max_prompt_chars=max_prompt_chars,
         max_returned_prompt_tokens=max_returned_prompt_tokens,
         engine_stall_timeout=engine_stall_timeout,
+        log_level=uvicorn_log_level,
+        access_log=not disable_uvicorn_access_log,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
+        enable_force_include_usage=enable_force_include_usage,
+        root_path=root_path,
+        generation_config=generation_config,
+        override_generation_config=override_generation_config,
+        reasoning_parser=reasoning_parser,
     )
 
     from ascq.formats.manifest import resolve_local_model
@@ -634,6 +698,10 @@ def serve(
         performance_mode=performance_mode,
         speculative_config=speculative_config,
         max_logprobs=max_logprobs,
+        num_gpu_blocks_override=num_gpu_blocks_override,
+        swap_space=swap_space,
+        cpu_offload_gb=cpu_offload_gb,
+        trust_remote_code=trust_remote_code,
         **parallel_args(
             tensor_parallel_size,
             pipeline_parallel_size,
@@ -872,10 +940,34 @@ def expand_multi_value_flags(argv: list[str]) -> list[str]:
     return out
 
 
+def serve_options() -> dict[str, bool]:
+    """`ascq serve`'s options (every spelling, `--no-x` included) -> whether each takes a value."""
+    command = typer.main.get_command(app).commands["serve"]
+    return {
+        opt: not getattr(param, "is_flag", False)
+        for param in command.params
+        if param.param_type_name == "option"
+        for opt in (*param.opts, *param.secondary_opts)
+    }
+
+
+def vllm_serve_argv(argv: list[str]) -> list[str]:
+    """`ascq serve` arguments with the vLLM flags it has no option for taken out: one INFO line each for
+    those that change nothing here; a refused one raises (see ascq/runtime/engine/vllm_args.py)."""
+    if not argv or argv[0] != "serve":
+        return argv
+    from ascq.runtime.engine.vllm_args import split_vllm_flags
+
+    kept, notes = split_vllm_flags(argv[1:], serve_options())
+    for note in notes:
+        typer.echo(f"INFO:     {note}", err=True)
+    return [argv[0], *kept]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; user errors are printed as one line `error: ...` with a non-zero exit code."""
     try:
-        argv = expand_multi_value_flags(sys.argv[1:] if argv is None else argv)
+        argv = vllm_serve_argv(expand_multi_value_flags(sys.argv[1:] if argv is None else argv))
         exit_code = app(args=argv, standalone_mode=False)  # click returns a command's typer.Exit code here
         if exit_code == INTERRUPTED:  # typer turns KeyboardInterrupt into Exit(130) and returns it
             raise KeyboardInterrupt

@@ -10,16 +10,35 @@ does. Same methods as `LLMEngine` where `LLM` uses them.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable
 from typing import Any
 
 from ascq.core.errors import AscqError
 from ascq.runtime.engine.engine_core import EngineCoreProcess
+from ascq.runtime.engine.inputs import PromptType, check_request_options, parse_prompt
 from ascq.runtime.engine.output_processor import OutputProcessor
 from ascq.runtime.engine.outputs import RequestOutput
+from ascq.runtime.engine.pooling_params import PoolingParams, as_sampling_params
 from ascq.runtime.sampling.sampling_params import SamplingParams
 from ascq.runtime.worker.loader import engine_tokenizer
 
 POLL_S = 0.2
+
+
+def offline_engine(args: Any, tokenizer: Any = None) -> Any:
+    """The offline engine for `args`: `LLMEngine` in this process, or with several ranks outside torchrun an
+    `EngineCoreClient` (rank 0 in its own process; same API). `tokenizer`: an object replacing the model's."""
+    from ascq.runtime.distributed.rendezvous import torchrun_rank
+    from ascq.runtime.engine.llm_engine import LLMEngine
+
+    if args.world_size > 1 and torchrun_rank() is None:
+        if tokenizer is not None:
+            raise ValueError(
+                "a tokenizer object cannot be used with tensor / pipeline parallel (the engine runs in "
+                "its own process); pass the tokenizer's path"
+            )
+        return EngineCoreClient(args)
+    return LLMEngine(args, tokenizer=tokenizer)
 
 
 class EngineCoreClient:
@@ -32,10 +51,21 @@ class EngineCoreClient:
         self.stats: dict[str, float | int] = {}
         self.ready: list[RequestOutput] = []  # outputs that arrived while waiting for an "added"
 
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
     def add_request(
-        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams | None = None,
+        arrival_time: float | None = None,
+        **options: Any,
     ) -> None:
-        params = params or SamplingParams()
+        """`LLMEngine.add_request`'s signature and rules."""
+        check_request_options(**options)
+        params = as_sampling_params(params)
+        prompt = parse_prompt(prompt)
         if request_id in self.processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
@@ -66,10 +96,11 @@ class EngineCoreClient:
                 return
             self.ready += self._handle(reply)
 
-    def abort_request(self, request_id: str) -> None:
-        if request_id in self.processor.requests:
-            self.processor.forget(request_id)
-            self._send(("abort", request_id))
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+            if one in self.processor.requests:
+                self.processor.forget(one)
+                self._send(("abort", one))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.processor.requests) or bool(self.ready)

@@ -10,6 +10,7 @@ import torch
 
 from ascq.core.errors import AscqError, UnsupportedError
 from ascq.platforms import platform_for
+from ascq.runtime.engine.vllm_args import vllm_keywords
 
 DTYPES = {
     "float32": torch.float32,
@@ -34,6 +35,7 @@ PERFORMANCE_MODES = {
 }
 
 
+@vllm_keywords  # vLLM's keywords: harmless vLLM-only ones accepted, the rest refused in one line
 @dataclass
 class EngineArgs:
     model: str | Path
@@ -172,8 +174,14 @@ class EngineArgs:
                 "offline: ascq convert); drop quantization to serve it unquantized"
             )
         if self.quantization.replace("_", "-") != method:
+            hint = ""
+            if method == "compressed-tensors":
+                hint = (
+                    " (ascq's zoo entries, awq / gptq recipes included, are compressed-tensors checkpoints: "
+                    "pass quantization='compressed-tensors' or leave it out)"
+                )
             raise AscqError(
-                f"quantization={self.quantization!r} but {self.model} is quantized with {method!r}"
+                f"quantization={self.quantization!r} but {self.model} is quantized with {method!r}{hint}"
             )
 
     def check_parallel_layout(self, config: dict[str, Any]) -> None:
@@ -280,6 +288,13 @@ class EngineArgs:
                 )
             return budget
         return max(platform_for(self.torch_device).default_kv_cache_bytes(self.torch_device), sequence_bytes)
+
+
+@vllm_keywords
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's AsyncEngineArgs (for AsyncLLMEngine): the same fields; its request-logging switches are vLLM
+    arguments (ascq logs no requests)."""
 
 
 def is_weight_only_quantized(config: dict[str, Any]) -> bool:

@@ -4,15 +4,17 @@ API)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from ascq.core.errors import AscqError
+from ascq.core.errors import AscqError, UnsupportedError
 from ascq.runtime.engine.detokenizer import OutputText, stop_token_reason
 from ascq.runtime.engine.engine_args import EngineArgs
+from ascq.runtime.engine.inputs import PromptType, check_request_options, parse_prompt
 from ascq.runtime.engine.outputs import CompletionOutput, RequestOutput
+from ascq.runtime.engine.pooling_params import PoolingParams, as_sampling_params
 from ascq.runtime.executor.start import start_model
 from ascq.runtime.sampling.sampling_params import SamplingParams
 from ascq.runtime.sampling.structured_output import StructuredOutputManager
@@ -89,12 +91,40 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------------
 
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, usage_context: Any = None, stat_loggers: Any = None, **_: Any
+    ) -> LLMEngine | Any:
+        """vLLM's constructor. With several ranks outside torchrun, rank 0 runs in its own process: the
+        returned `EngineCoreClient` has the same request / step API (see core_client.py)."""
+        if stat_loggers:
+            raise UnsupportedError("stat_loggers are not supported (ascq's statistics: get_stats())")
+        from ascq.runtime.engine.core_client import offline_engine
+
+        return offline_engine(engine_args)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
     def add_request(
-        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams | None = None,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Any = None,
+        priority: int = 0,
     ) -> None:
-        """`prompt`: text, token ids, or vLLM's TokensPrompt dict {"prompt_token_ids": [...], "cache_salt":
-        str} (requests share cached prefix blocks only with requests of the same salt)."""
-        params = params or SamplingParams()
+        """vLLM's signature. `prompt`: text, token ids, or vLLM's TextPrompt / TokensPrompt dict, with an
+        optional "cache_salt" (requests share cached prefix blocks only with requests of the same salt).
+        `params`: SamplingParams, or PoolingParams for an embedding (RequestOutput.prompt_embedding).
+        `arrival_time` only feeds vLLM's latency metrics (ascq times requests from when they arrive here); the
+        other keywords must keep vLLM's defaults (`check_request_options`)."""
+        check_request_options(lora_request, tokenization_kwargs, trace_headers, priority)
+        params = as_sampling_params(params)
+        prompt = parse_prompt(prompt)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         cache_salt = None
@@ -160,15 +190,18 @@ class LLMEngine:
                 f"{self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens available"
             )
 
-    def abort_request(self, request_id: str) -> None:
-        sequences = self.requests.get(request_id)
-        if sequences is None:
-            return
-        for sequence in sequences:
-            if not sequence.is_finished:
-                self._finish(sequence, "abort")
-        self.pending_outputs.append(self._output(request_id))
-        self._forget(request_id)
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """vLLM's: one id or several; each unfinished request's next output is its last (finish_reason
+        "abort"); unknown ids are ignored, as finished requests are."""
+        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+            sequences = self.requests.get(one)
+            if sequences is None:
+                continue
+            for sequence in sequences:
+                if not sequence.is_finished:
+                    self._finish(sequence, "abort")
+            self.pending_outputs.append(self._output(one))
+            self._forget(one)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.pending_outputs)

@@ -52,6 +52,7 @@ from ascq.runtime.server.serving import OpenAIServing, RequestLimits, longest_to
 MAX_BODY_BYTES = 16 << 20
 LARGE_BODY_BYTES = 1 << 20  # bodies above this are decoded in a worker thread (decode_json)
 DECODE_SLICE_BYTES = 1 << 20
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 logger = logging.getLogger("ascq.serve")
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -66,6 +67,7 @@ def create_app(
     api_key: str | None = None,
     tool_options: Any = None,
     limits: RequestLimits | None = None,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -78,9 +80,25 @@ def create_app(
         yield
         engine.stop()
 
-    app = FastAPI(title="ascq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    root_path = getattr(tool_options, "root_path", None) or ""  # vLLM's --root-path: both /v1 and ROOT/v1
+    app = FastAPI(
+        title="ascq",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        root_path=root_path,
+    )
     serving = OpenAIServing(
-        engine, tokenizer, prompter, model_names, max_model_len, vocab_size, tool_options, limits
+        engine,
+        tokenizer,
+        prompter,
+        model_names,
+        max_model_len,
+        vocab_size,
+        tool_options,
+        limits,
+        sampling_defaults,
     )
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(EngineDeadMiddleware, engine=engine)
@@ -254,6 +272,12 @@ def _is_union_tag(loc_part: str | int) -> bool:
 PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
 
 
+def route_path(scope: dict) -> str:
+    """The request's path without the --root-path prefix, when it came with it (as the router matches)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 class ApiKeyMiddleware:
     """`/v1/*`, /tokenize and /detokenize need `Authorization: Bearer KEY` when the server has a key; /health,
     /ping, /version and /metrics stay open (probes and scrapers)."""
@@ -263,7 +287,7 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if self.expected and scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+        if self.expected and scope["type"] == "http" and route_path(scope).startswith(PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(
@@ -331,9 +355,35 @@ class ServeOptions:
     max_prompt_chars: int | None = None
     max_returned_prompt_tokens: int | None = None
     engine_stall_timeout: float = 0.0
+    access_log: bool = True
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    root_path: str | None = None
+    generation_config: str = "auto"  # vLLM's: auto | vllm | a folder (engine/generation_config.py)
+    override_generation_config: dict[str, Any] | str | None = None  # JSON text from the command line
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        from ascq.runtime.engine.generation_config import check_source, parse_override
+        from ascq.runtime.server.reasoning import REASONING_PARSERS
         from ascq.runtime.server.tool_calls import TOOL_CALL_PARSERS
+
+        if self.log_level not in UVICORN_LOG_LEVELS:
+            raise AscqError(
+                f"--uvicorn-log-level {self.log_level!r} is not one of {', '.join(UVICORN_LOG_LEVELS)}"
+            )
+        if self.root_path is not None and (
+            not self.root_path.startswith("/") or self.root_path.endswith("/")
+        ):
+            raise AscqError(f"--root-path must start with '/' and not end with one, got {self.root_path!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise AscqError(
+                f"--reasoning-parser {self.reasoning_parser!r} is not supported; supported: "
+                f"{', '.join(REASONING_PARSERS)}"
+            )
+        check_source(self.generation_config)
+        self.override_generation_config = parse_override(self.override_generation_config)
 
         if isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
@@ -475,6 +525,17 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
     )
     for line in core.info["startup_lines"]:
         logger.info(line)
+    from ascq.runtime.engine.generation_config import default_sampling_params
+
+    sampling_defaults = default_sampling_params(
+        engine_args.model, options.generation_config, options.override_generation_config
+    )
+    if sampling_defaults:  # vLLM warns the same way: requests that leave these unset get them
+        logger.info(
+            "default sampling parameters (--generation-config %s): %s",
+            options.generation_config,
+            sampling_defaults,
+        )
     # the event loop's own tokenizer copy
     tokenizer = engine_tokenizer(engine_args)
     async_engine = AsyncEngine(
@@ -508,12 +569,14 @@ def run_server(engine_args: Any, options: ServeOptions, sock: socket.socket | No
         options.api_key,
         tool_options=options,
         limits=limits,
+        sampling_defaults=sampling_defaults,
     )
     uv_config = uvicorn.Config(
         app,
         host=options.host,
         port=options.port,
         log_level=options.log_level,
+        access_log=options.access_log,
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )

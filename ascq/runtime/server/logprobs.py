@@ -17,8 +17,11 @@ MISSING_LOGPROB = -9999.0  # vLLM's stand-in when the sampled token's logprob is
 
 
 class LogprobFormatter:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, tokens_as_ids: bool = False) -> None:
+        """`tokens_as_ids`: vLLM's --return-tokens-as-token-ids: logprob tokens are 'token_id:N' (tokens that
+        do not decode to valid UTF-8 on their own stay identifiable)."""
         self.tokenizer = tokenizer
+        self.tokens_as_ids = tokens_as_ids
 
     def completion(
         self, token_ids: list[int], steps: list[dict[int, float]] | None, top_n: int | None, text_offset: int
@@ -91,7 +94,7 @@ class LogprobFormatter:
         return top
 
     def _text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.tokenizer.decode([token_id])
 
     def _entry(self, token_id: int, logprob: float) -> TopLogprob:
         text = self._text(token_id)

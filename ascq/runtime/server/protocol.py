@@ -402,10 +402,15 @@ class EmbeddingData(BaseModel):
     embedding: list[float] | str  # str: base64 of little-endian float32, as OpenAI encodes it
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # --enable-prompt-tokens-details
 
 
 class CompletionLogprobs(BaseModel):
@@ -451,6 +456,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] = []
+    reasoning_content: str | None = None  # --reasoning-parser
 
 
 class ChatChoice(BaseModel):
@@ -477,6 +483,7 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None  # --reasoning-parser
 
 
 class ChatChunkChoice(BaseModel):

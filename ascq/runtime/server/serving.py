@@ -46,12 +46,14 @@ from ascq.runtime.server.protocol import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
+    PromptTokensDetails,
     SamplingFields,
     TokenizeRequest,
     Usage,
     prompt_list,
     random_id,
 )
+from ascq.runtime.server.reasoning import REASONING_PARSERS, ReasoningStream
 from ascq.runtime.server.tool_call_stream import ToolCallStream, tool_call_stream
 from ascq.runtime.server.tool_calls import (
     forced_tool_structure,
@@ -109,10 +111,18 @@ class OpenAIServing:
         vocab_size: int,
         tool_options: Any = None,
         limits: RequestLimits | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
+        """`tool_options`: the server's ServeOptions (tool calling, usage, logprob and reasoning switches);
+        `sampling_defaults`: SamplingParams defaults from --generation-config (generation_config.py)."""
         self.engine = engine
         self.enable_auto_tool_choice = bool(tool_options and tool_options.enable_auto_tool_choice)
         self.limits = limits or RequestLimits.for_model(max_model_len, longest_token_chars(tokenizer))
+        self.prompt_tokens_details = bool(getattr(tool_options, "enable_prompt_tokens_details", False))
+        self.force_include_usage = bool(getattr(tool_options, "enable_force_include_usage", False))
+        parser = getattr(tool_options, "reasoning_parser", None)
+        self.reasoning = REASONING_PARSERS[parser] if parser else None
+        self.sampling_defaults = sampling_defaults or {}
         self.tokenizer = tokenizer
         self.prompter = prompter
         # every name clients may use (vLLM's --served-model-name a b); responses carry the first
@@ -120,7 +130,9 @@ class OpenAIServing:
         self.model_name = self.model_names[0]
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.logprobs = LogprobFormatter(tokenizer)
+        self.logprobs = LogprobFormatter(
+            tokenizer, bool(getattr(tool_options, "return_tokens_as_token_ids", False))
+        )
         self.created = int(time.time())
 
     def model_card(self, name: str) -> dict[str, Any]:
@@ -200,6 +212,7 @@ class OpenAIServing:
         max_tokens = 1 if score_only else (body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
         for ids in prompts:
             self._check_fits(len(ids), max_tokens, "prompt")
+        max_tokens = self._capped(max_tokens)
         params = self._sampling_params(body, max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:  # echoed prompt tokens carry their logprobs too
             params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
@@ -221,7 +234,7 @@ class OpenAIServing:
             for o in final.outputs
         ]
         response = CompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=_usage(finals)
+            id=request_id, model=self.model_name, choices=choices, usage=self._usage(finals)
         )
         return JSONResponse(response.model_dump())
 
@@ -291,7 +304,7 @@ class OpenAIServing:
             ids = ids[-body.truncate_prompt_tokens :]
         requested = body.max_completion_tokens or body.max_tokens
         self._check_fits(len(ids), requested, "messages")
-        max_tokens = requested or self.max_model_len - len(ids)
+        max_tokens = self._capped(requested or self.max_model_len - len(ids))
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         forced = forced_tool_structure(body, mode)
         if forced is not None and structured_outputs_of(body) is not None:
@@ -322,7 +335,7 @@ class OpenAIServing:
             id=request_id,
             model=self.model_name,
             choices=choices,
-            usage=_usage([final]),
+            usage=self._usage([final]),
             prompt_logprobs=self.logprobs.prompt(final.prompt_logprobs),
         )
         return JSONResponse(response.model_dump())
@@ -330,11 +343,14 @@ class OpenAIServing:
     def _chat_choice(
         self, o: Any, body: ChatCompletionRequest, top_n: int | None, mode: str | None
     ) -> ChatChoice:
-        content, calls = parse_tool_calls(o.text, body, mode)
+        reasoning, text = self.reasoning.split(o.text) if self.reasoning else (None, o.text)
+        content, calls = parse_tool_calls(text or "", body, mode)
         finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
         return ChatChoice(
             index=o.index,
-            message=AssistantMessage(content=content, tool_calls=calls),
+            message=AssistantMessage(
+                content=content if text is not None else None, tool_calls=calls, reasoning_content=reasoning
+            ),
             finish_reason=finish,
             stop_reason=o.stop_reason,
             logprobs=self.logprobs.chat(o.token_ids, o.logprobs, top_n),
@@ -474,6 +490,23 @@ class OpenAIServing:
                 param="max_tokens",
             )
 
+    def _capped(self, max_tokens: int) -> int:
+        """vLLM: a generation config's max_new_tokens caps every request's max_tokens."""
+        return min(max_tokens, self.sampling_defaults.get("max_tokens", max_tokens))
+
+    def _default(self, value: Any, name: str, fallback: Any) -> Any:
+        """A request's sampling field, else the generation config's default, else vLLM's."""
+        return value if value is not None else self.sampling_defaults.get(name, fallback)
+
+    def _usage(self, finals: list[Any]) -> Usage:
+        """Usage of finished outputs; with --enable-prompt-tokens-details, the prompt tokens the prefix cache
+        supplied (vLLM: only when there were some)."""
+        usage = _usage(finals)
+        cached = sum(final.num_cached_tokens for final in finals)
+        if self.prompt_tokens_details and cached:
+            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached)
+        return usage
+
     def _sampling_params(
         self,
         body: SamplingFields,
@@ -490,10 +523,10 @@ class OpenAIServing:
         try:
             return SamplingParams(
                 n=body.n,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=min(body.top_k or 0, self.vocab_size),
-                min_p=body.min_p or 0.0,
+                temperature=self._default(body.temperature, "temperature", 1.0),
+                top_p=self._default(body.top_p, "top_p", 1.0),
+                top_k=min(self._default(body.top_k, "top_k", 0) or 0, self.vocab_size),
+                min_p=self._default(body.min_p, "min_p", 0.0) or 0.0,
                 seed=body.seed,
                 stop=body.stop,
                 stop_token_ids=body.stop_token_ids,
@@ -503,7 +536,7 @@ class OpenAIServing:
                 ignore_eos=body.ignore_eos,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                repetition_penalty=self._default(body.repetition_penalty, "repetition_penalty", 1.0),
                 logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None,
                 bad_words=body.bad_words,
                 allowed_token_ids=body.allowed_token_ids,
@@ -526,7 +559,7 @@ class OpenAIServing:
     # ---- streaming -----------------------------------------------------------------------------------------
 
     async def _completion_chunks(self, group: RequestGroup, body: CompletionRequest, request_id: str):
-        include_usage, continuous = usage_options(body)
+        include_usage, continuous = usage_options(body, self.force_include_usage)
         finals: dict[int, Any] = {}
         echoed: set[tuple[int, int]] = set()
         async for i, output, o, start in _deltas(group, finals):
@@ -553,7 +586,7 @@ class OpenAIServing:
             )
             yield _sse(chunk, include_usage)
         if include_usage:
-            usage = _usage([finals[i] for i in sorted(finals)])
+            usage = self._usage([finals[i] for i in sorted(finals)])
             yield _sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
 
     def _echo_chunk(
@@ -581,20 +614,26 @@ class OpenAIServing:
         return chunk
 
     async def _chat_chunks(self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None):
-        include_usage, continuous = usage_options(body)
+        include_usage, continuous = usage_options(body, self.force_include_usage)
 
         chunk = self._chat_chunk_writer(group, include_usage)
 
         for opening in _opening_choices(body):
             yield chunk(opening)
         finals: dict[int, Any] = {}
+        reasoning_streams: dict[int, ReasoningStream] = {}
         async for _, output, o, start in _deltas(group, finals):
             logprobs = self.logprobs.chat(o.token_ids[start[1] :], (o.logprobs or [])[start[1] :], top_n)
+            delta = DeltaMessage(content=o.text[start[0] :])
+            if self.reasoning:
+                stream = reasoning_streams.setdefault(o.index, ReasoningStream(self.reasoning))
+                reasoning, content = stream.feed(o.text, o.finish_reason is not None)
+                delta = DeltaMessage(content=content, reasoning_content=reasoning)
             yield chunk(
                 [
                     ChatChunkChoice(
                         index=o.index,
-                        delta=DeltaMessage(content=o.text[start[0] :]),
+                        delta=delta,
                         logprobs=logprobs,
                         finish_reason=o.finish_reason,
                     )
@@ -602,14 +641,14 @@ class OpenAIServing:
                 _running_usage(output, o) if continuous else None,
             )
         if include_usage:
-            yield chunk([], _usage([finals[0]]))
+            yield chunk([], self._usage([finals[0]]))
 
     async def _chat_tool_chunks(
         self, group: RequestGroup, body: ChatCompletionRequest, top_n: int | None, mode: str
     ):
         """Tool calls streamed as vLLM streams them: content as it is decoded, each call's id and name
         first, then its arguments' JSON in pieces that concatenate to them (tool_call_stream.py)."""
-        include_usage, continuous = usage_options(body)
+        include_usage, continuous = usage_options(body, self.force_include_usage)
         streams: dict[int, ToolCallStream] = {}
 
         chunk = self._chat_chunk_writer(group, include_usage)
@@ -617,20 +656,28 @@ class OpenAIServing:
         for opening in _opening_choices(body):
             yield chunk(opening)
         finals: dict[int, Any] = {}
+        reasoning_streams: dict[int, ReasoningStream] = {}
         async for _, output, o, start in _deltas(group, finals):
             stream = streams.setdefault(o.index, tool_call_stream(body, mode))
-            content, calls = stream.feed(o.text, o.finish_reason is not None)
+            text, reasoning = o.text, None
+            if self.reasoning:  # reasoning first; tool calls are parsed from the content after it
+                thinking = reasoning_streams.setdefault(o.index, ReasoningStream(self.reasoning))
+                reasoning, _ = thinking.feed(o.text, o.finish_reason is not None)
+                text = thinking.content
+            content, calls = stream.feed(text, o.finish_reason is not None)
             finish = "tool_calls" if stream.num_calls and o.finish_reason == "stop" else o.finish_reason
             logprobs = self.logprobs.chat(o.token_ids[start[1] :], (o.logprobs or [])[start[1] :], top_n)
             choice = ChatChunkChoice(
                 index=o.index,
-                delta=DeltaMessage(content=content or None, tool_calls=calls or None),
+                delta=DeltaMessage(
+                    content=content or None, tool_calls=calls or None, reasoning_content=reasoning
+                ),
                 logprobs=logprobs,
                 finish_reason=finish,
             )
             yield chunk([choice], _running_usage(output, o) if continuous else None)
         if include_usage:
-            yield chunk([], _usage([finals[0]]))
+            yield chunk([], self._usage([finals[0]]))
 
 
 def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:
@@ -771,12 +818,12 @@ def chat_echo_text(body: ChatCompletionRequest) -> str:
     return last.text if last.role == role else ""
 
 
-def usage_options(body: SamplingFields) -> tuple[bool, bool]:
+def usage_options(body: SamplingFields, force: bool = False) -> tuple[bool, bool]:
     """(usage in the last chunk, usage in every chunk): vLLM's stream_options include_usage and
-    continuous_usage_stats (the second only with the first)."""
+    continuous_usage_stats (the second only with the first); `force`: --enable-force-include-usage."""
     options = body.stream_options
-    include = bool(options and options.include_usage)
-    return include, include and bool(options.continuous_usage_stats)
+    include = force or bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
 
 
 def _running_usage(output: Any, o: Any) -> Usage:
