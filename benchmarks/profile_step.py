@@ -9,7 +9,12 @@ the forward is one number: its parts run inside compiled layers; with fused deco
 / W4A16 / W8A16 Llama and DeepSeek-MoE layers, runtime/worker/fused_decode.py; ASCQ_FUSED_DECODE=0 turns it
 off) a decode step's layers are one native call, "fused decode layers (native)" (a step it does not take
 counts its check there and its eager layers in their rows). Prints a markdown table of ms per step (median
-over steps).
+over steps), and beside it the step's bandwidth bound: the bytes one decode step must move (every linear's
+weights and qparams as its kernel keeps them for small batches (`cpu.streamed_bytes`), the MoE experts the
+batch is expected to route to, the LM head, the KV cache read at the step's context) divided by this host's
+read bandwidth measured with the same threads (the best of several passes of `torch.sum` over a buffer far
+larger than the caches), and the measured step's share of it (1.00: at the memory bound; a model whose
+weights fit the caches can pass 1).
 
     OMP_NUM_THREADS=2 python benchmarks/profile_step.py --model zoo/smollm2-135m-instruct --dtype float32 \\
         --batch 1 32
@@ -28,6 +33,7 @@ import torch
 
 from ascq import LLM, SamplingParams
 from ascq.core.rotary import RotaryEmbedding
+from ascq.kernels import cpu
 from ascq.runtime.layers.attention import Attention
 from ascq.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ascq.runtime.layers.linear import LinearBase
@@ -121,9 +127,51 @@ FORWARD_PARTS = (
 ENGINE_PARTS = ("scheduler", "metadata (prepare)", "lm head", "sampler")
 
 
+STREAM_BYTES = 512 << 20  # far past any L3 cache
+
+
+def stream_bandwidth(rounds: int = 5) -> float:
+    """Bytes per second a full read of a large buffer reaches on torch's threads (the best of `rounds`)."""
+    buf = torch.ones(STREAM_BYTES // 4)
+    buf.sum()  # pages touched
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return STREAM_BYTES / best
+
+
+def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a batch routes to, on average, with each token's top_k drawn uniformly."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def step_bytes(llm: LLM, batch: int, context: int) -> dict[str, float]:
+    """Bytes a batch-`batch` decode step at `context` tokens of KV per sequence reads: linears, MoE experts,
+    LM head, KV cache."""
+    parts = defaultdict(float)
+    for module in llm.engine.model.modules():
+        if isinstance(module, LinearBase) and isinstance(module.prepared, cpu.CpuLinear):
+            parts["linears"] += cpu.streamed_bytes(module.prepared)
+        elif isinstance(module, FusedMoE) and module.prepared is not None:
+            experts = module.prepared
+            every = sum(cpu.streamed_bytes(p) for p in (*experts.gate_up, *experts.down))
+            share = expected_experts(module.num_experts, module.top_k, batch) / module.num_experts
+            parts["moe experts"] += every * share
+        elif isinstance(module, ParallelLMHead):
+            head = module.weight if module.int8 is None else module.int8.data
+            parts["lm head"] += head.numel() * head.element_size()
+        elif isinstance(module, Attention):
+            k_cache = module.k_cache
+            per_token = 2 * k_cache.shape[-2] * k_cache.shape[-1] * k_cache.element_size()
+            parts["kv cache"] += batch * context * per_token
+    return parts
+
+
 def profile(
     model: str, dtype: str, batch: int, num_steps: int, context: int, eager: bool
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, float]]:
     kwargs = {"enforce_eager": eager} if eager is not None else {}
     llm = LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20, **kwargs)
     prompts = [[100 + (i * 7 + j) % 3000 for j in range(context)] for i in range(batch)]
@@ -151,7 +199,8 @@ def profile(
     med["engine bookkeeping"] = (
         med["step (total)"] - med["forward (total)"] - sum(med.get(k, 0.0) for k in ENGINE_PARTS)
     )
-    return med
+    # the KV read at the timed steps' middle context (prompt, warm-up steps, half the timed ones)
+    return med, step_bytes(llm, batch, context + 3 + num_steps // 2)
 
 
 def main() -> None:
@@ -168,10 +217,12 @@ def main() -> None:
         help="eager steps, or (--no-enforce-eager) decode graphs; default: the engine's default",
     )
     args = parser.parse_args()
-    results = {
+    profiles = {
         b: profile(args.model, args.dtype, b, args.steps, args.context, args.enforce_eager)
         for b in args.batch
     }
+    results = {b: med for b, (med, _) in profiles.items()}
+    bandwidth = stream_bandwidth()
     rows = [
         "step (total)",
         "forward (total)",
@@ -190,6 +241,37 @@ def main() -> None:
     print("|---|" + "---:|" * len(args.batch))
     for row in rows:
         print(f"| {row} | " + " | ".join(f"{results[b].get(row, 0.0):.2f}" for b in args.batch) + " |")
+    print()
+    print(
+        f"Bandwidth bound: bytes a step moves / {bandwidth / 1e9:.1f} GB/s (read bandwidth measured now on "
+        f"{torch.get_num_threads()} threads, best of 5 passes over {STREAM_BYTES >> 20} MiB)"
+    )
+    print()
+    print("| bound | " + " | ".join(f"batch {b}" for b in args.batch) + " |")
+    print("|---|" + "---:|" * len(args.batch))
+    parts = sorted({part for _, moved in profiles.values() for part in moved})
+    for part in parts:
+        print(
+            f"| {part} (MB) | "
+            + " | ".join(f"{profiles[b][1].get(part, 0) / 1e6:.1f}" for b in args.batch)
+            + " |"
+        )
+    totals = {b: sum(moved.values()) for b, (_, moved) in profiles.items()}
+    bounds = {b: totals[b] / bandwidth * 1e3 for b in args.batch}
+    print("| total (MB) | " + " | ".join(f"{totals[b] / 1e6:.1f}" for b in args.batch) + " |")
+    print("| bound (ms per step) | " + " | ".join(f"{bounds[b]:.2f}" for b in args.batch) + " |")
+    print(
+        "| bound / measured step | "
+        + " | ".join(f"{bounds[b] / results[b]['step (total)']:.2f}" for b in args.batch)
+        + " |"
+    )
+    print(
+        "| bound tok/s, measured tok/s | "
+        + " | ".join(
+            f"{b / bounds[b] * 1e3:.0f}, {b / results[b]['step (total)'] * 1e3:.0f}" for b in args.batch
+        )
+        + " |"
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 import torch
 from native_support import needs_native
 
-from ascq.kernels import cpu, native
+from ascq.kernels import QuantLinearWeights, cpu, native
 
 LIB = native.load()
 pytestmark = needs_native
@@ -35,3 +35,24 @@ def test_small_m_linear_applies_only_where_the_kernel_runs():
     assert cpu.bf16_small_m_linear(torch.randn(2, 40), torch.randn(32, 40).to(torch.bfloat16)) is None
     with pytest.raises(ValueError, match="rejected"):
         native.bf16_mm(LIB, torch.randn(2, 40), torch.randn(32, 40).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("checkpoint_dtype", [torch.bfloat16, torch.float32])
+def test_fp32_engine_keeps_a_bf16_exact_weight_in_bf16_and_its_results_in_fp32(checkpoint_dtype):
+    """A bf16 checkpoint served in fp32 (`--dtype auto` on the CPU): the same weight values at half the
+    bytes, fp32 results on both sides of the small-M threshold; weights bf16 cannot hold stay fp32."""
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(40, 64, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(40, generator=g)
+    prepared = cpu.prepare_linear(QuantLinearWeights("dense", weight.to(checkpoint_dtype), bias=bias))
+    assert prepared.weight.dtype == torch.bfloat16
+    for rows in (1, 5, cpu.DENSE_BF16_MAX_M + 3):
+        x = torch.randn(rows, 64, generator=g)
+        y = cpu.linear(x, prepared)
+        assert y.dtype == torch.float32
+        exact = x.double() @ weight.double().T + bias.double()
+        assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max(), rows
+        if rows < cpu.DENSE_BF16_MAX_M:  # the native kernel's own rows, unrounded
+            assert torch.equal(y, native.bf16_mm(LIB, x, weight) + bias)
+    fp32_values = torch.randn(40, 64, generator=g)
+    assert cpu.prepare_linear(QuantLinearWeights("dense", fp32_values)).weight.dtype == torch.float32

@@ -164,15 +164,15 @@ def test_cpu_linear_works_after_use_under_inference_mode():
         ("w4a16", 32, torch.float32, "dequant"),
         ("w8a16", None, torch.bfloat16, "native"),
         ("w8a16", 64, torch.bfloat16, "native"),
-        ("w8a8_dynamic", None, torch.float32, "fbgemm"),
-        ("w8a8_static", None, torch.bfloat16, "fbgemm"),
-        ("w4a8_dynamic", None, torch.bfloat16, "fbgemm"),
+        ("w8a8_dynamic", None, torch.float32, "native_int8"),
+        ("w8a8_static", None, torch.bfloat16, "native_int8"),
+        ("w4a8_dynamic", None, torch.bfloat16, "native_int8"),
         ("w8a8_dynamic", 64, torch.bfloat16, "dequant"),
     ],
 )
 def test_cpu_backend_picks_the_fast_kernels(scheme, group_size, dtype, kernel):
     """The comparisons above only prove speed-ups if the fast kernels are the ones that ran."""
-    if kernel == "native":
+    if kernel.startswith("native"):
         skip_without_native()
     w = make_weights(scheme, 64, 256, group_size)
     prepared = get_backend("cpu").prepare_linear(w, dtype)
@@ -277,6 +277,105 @@ def test_native_int4_kernel_with_int8_activations_is_the_integer_product(group_s
     pairs = [native.weight_only_mm(None, x[i : i + 2], packed, activation_bits=8) for i in range(0, 9, 2)]
     rows = torch.cat(pairs)
     assert torch.equal(rows, y)  # a row's result does not depend on the other rows
+
+
+@pytest.mark.parametrize(
+    ("bits", "weight_zeros", "input_zero_point"),
+    [(8, False, None), (8, True, None), (8, True, 0), (8, False, 5), (4, False, None), (4, True, None)],
+    ids=["w8-dynamic", "w8-zp-dynamic", "w8-zp-static", "w8-static-zp", "w4-dynamic", "w4-zp-dynamic"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@needs_native
+def test_native_int8_activation_kernel_is_the_integer_product(bits, weight_zeros, input_zero_point, dtype):
+    """W8A8 / W4A8 on the native kernel: the integers of `integer_activations` (per token, or per tensor with
+    a zero point) times the weight's, summed exactly (float64 here), times the weight and input scales."""
+    from ascq.core.qmath import quantize_per_token, quantize_static_input
+    from ascq.kernels import native
+
+    torch.manual_seed(bits + 3 * weight_zeros)
+    n, k = 21, 1536  # 21: a padded last tile; 1536: SmolLM2's down_proj input
+    low, high = (-128, 128) if bits == 8 else (-8, 8)
+    q = torch.randint(low, high, (n, k), dtype=torch.int8)
+    scales = torch.rand(n, 1) * 0.01 + 1e-3
+    zeros = torch.randint(low // 2, high // 2, (n, 1)).float() if weight_zeros else None
+    group = cpu.native_per_channel_group_size(k, bits)
+    repeats = k // group
+    packed = native.pack(
+        q,
+        bits,
+        scales.repeat_interleave(repeats, 1),
+        None if zeros is None else zeros.repeat_interleave(repeats, 1),
+        group,
+    )
+    x = (torch.randn(9, k) * 2).to(dtype)
+    x[:, 7] *= 30  # an outlier channel sets its row's scale
+    x[3] = 0  # an all-zero row
+    if input_zero_point is None:
+        v, x_scale = quantize_per_token(x)
+        y = native.int8_activation_mm(None, x, packed)
+    else:
+        x_scale = torch.tensor(0.03)
+        zp = torch.tensor(float(input_zero_point))
+        v = quantize_static_input(x, x_scale, zp) - zp
+        y = native.int8_activation_mm(None, x, packed, 0.03, input_zero_point)
+    weight = q.double() - (0 if zeros is None else zeros.double())
+    expected = (v.double() @ weight.T) * scales.double().T * x_scale.double()
+    torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+    rows = torch.cat(
+        [
+            native.int8_activation_mm(
+                None, x[i : i + 2], packed, *(() if input_zero_point is None else (0.03, input_zero_point))
+            )
+            for i in range(0, 9, 2)
+        ]
+    )
+    assert torch.equal(rows, y)  # a row's result does not depend on the other rows
+
+
+@needs_native
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "per-tensor"])
+def test_native_int8_activations_are_the_schemes_integers(static):
+    """Through an identity weight (scale 1) the kernel's output is each integer times its row's scale: the
+    rounding is qmath's, bit for bit, ties and the clamp included."""
+    from ascq.core.qmath import quantize_per_token, quantize_static_input
+    from ascq.kernels import native
+
+    k = 64
+    x = torch.randn(6, k) * 3
+    x[0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 127.0, -128.6, 400.0]) * 0.02  # ties, the clamp
+    packed = native.pack(torch.eye(k, dtype=torch.int8), 8, torch.ones(k, 1), None, k)
+    if static:
+        v, scale = quantize_static_input(x, torch.tensor(0.02), torch.tensor(-3.0)) + 3, torch.tensor(0.02)
+        y = native.int8_activation_mm(None, x, packed, 0.02, -3)
+    else:
+        v, scale = quantize_per_token(x)
+        y = native.int8_activation_mm(None, x, packed)
+    assert torch.equal(y, v * scale)
+
+
+@needs_native
+@pytest.mark.parametrize("scheme", ["w8a8_dynamic", "w8a8_static", "w4a8_dynamic"])
+def test_cpu_backend_runs_int8_activations_natively_below_its_threshold_and_on_fbgemm_from_there(
+    monkeypatch, scheme
+):
+    from ascq.kernels import native
+
+    w = make_weights(scheme, 64, 256, symmetric=scheme != "w8a8_static")
+    prepared = cpu.prepare_linear(w, torch.float32)
+    assert prepared.kernel == "native_int8" and prepared.weight is None  # no int8 copy beside the packed two
+    x = torch.randn(cpu.NATIVE_INT8_MAX_M + 2, 256)
+    rows = x[: cpu.NATIVE_INT8_MAX_M - 1]
+    on_native = cpu.linear(rows, prepared)
+    kernel = native.int8_activation_mm(
+        None, rows, prepared.packed, prepared.input_scale, prepared.input_zero_point
+    )
+    assert torch.equal(on_native, kernel + prepared.bias)
+    monkeypatch.setattr(cpu, "NATIVE_INT8_MAX_M", 1)
+    # the same integer products; only where the scales round differs (fbgemm: int8 activations in two GEMMs)
+    assert rel_error(cpu.linear(rows, prepared), on_native) < 1e-6
+    reference = get_backend("reference")
+    expected = reference.linear(x, reference.prepare_linear(w, torch.float32))
+    assert rel_error(cpu.linear(x, prepared), expected) < 1e-5
 
 
 @needs_native

@@ -66,8 +66,9 @@ def test_fused_decode_structs_come_from_the_header():
     fields = [name for name, _ in structs["ascq_fused_model"]._fields_]
     assert fields[:3] == ["num_layers", "hidden", "num_heads"] and fields[-2:] == ["layers", "final_norm"]
     linear = structs["ascq_fused_linear"]
-    # seven ints, 4 bytes of padding, four pointers: as C lays them out on x86-64
-    assert ctypes.sizeof(linear) == 8 * 4 + 4 * 8
+    # eight ints, a float and an int, four pointers: as C lays them out on x86-64
+    assert ctypes.sizeof(linear) == 10 * 4 + 4 * 8
+    assert dict(linear._fields_)["input_scale"] is ctypes.c_float
     layer = dict(structs["ascq_fused_layer"]._fields_)
     assert layer["qkv"] is linear
     assert layer["moe"] is ctypes.POINTER(structs["ascq_fused_moe"])  # a pointer to a header struct
@@ -110,6 +111,7 @@ def test_every_build_this_cpu_runs_gives_the_same_bits():
     packed = native.pack(
         q, 4, torch.rand(40, 8, generator=gen), torch.randint(-8, 8, (40, 8), generator=gen).float(), 32
     )
+    int8 = native.pack(q, 8, torch.ones(40, 1), None, 256)
     x = torch.randn(5, 256, generator=gen).bfloat16()
     weight = torch.randn(48, 256, generator=gen).bfloat16()
     cache = torch.randn(6, 16, 2, 64, generator=gen).bfloat16()
@@ -120,6 +122,8 @@ def test_every_build_this_cpu_runs_gives_the_same_bits():
         (
             native.weight_only_mm(lib, x, packed),
             native.bf16_mm(lib, x.float(), weight),
+            native.int8_activation_mm(lib, x, packed),
+            native.int8_activation_mm(lib, x.float(), int8, 0.01, 3),
             native.paged_decode_attention(lib, query, cache, cache, tables, lens, 0.125, 1.0, 1.0),
         )
         for lib in libs

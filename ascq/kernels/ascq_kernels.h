@@ -23,6 +23,12 @@ enum {
 ASCQ_API int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, int activation_bits,
                                  const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y,
                                  int num_rows, int n, int k, int group_size, int num_threads);
+// W8A8 / W4A8: activations rounded to int8 as the scheme defines (input_scale <= 0: per token, else per tensor
+// with input_zero_point), exact integer products on the same layout.
+ASCQ_API int ascq_int8_activation_mm(const void *x, int is_bf16, const uint8_t *w, int bits, const void *scales,
+                                     int scales_bf16, const void *zeros, int zeros_kind, float input_scale,
+                                     int input_zero_point, float *y, int num_rows, int n, int k, int group_size,
+                                     int num_threads);
 ASCQ_API int ascq_dequantize_bf16(const uint8_t *w, int bits, const void *scales, int scales_bf16, const void *zeros,
                                   int zeros_kind, uint16_t *out, int n, int k, int group_size, int num_threads);
 // bf16_mm.c: x fp32 [M, K] @ w bf16 [N, K]^T for small M.
@@ -60,6 +66,9 @@ typedef struct {
     int kind;  // 0: dense bf16 weight [n, k]; 4 or 8: weight-only bits (weight_only_mm.c layout)
     int n, k, group_size, scales_bf16, zeros_kind;
     int a8_min_rows;                      // 4 bits: products of this many rows or more take 8-bit activations (0: never)
+    int int8_activations;                 // W8A8 / W4A8: 1, activations rounded as ascq_int8_activation_mm does
+    float input_scale;                    // with int8_activations: <= 0 per token, else per tensor
+    int input_zero_point;                 // with int8_activations and input_scale > 0
     const void *weight, *scales, *zeros;  // as ascq_weight_only_mm takes them (its tiled layout); zeros may be NULL
     const float *bias;                    // may be NULL
 } ascq_fused_linear;
@@ -99,6 +108,8 @@ void ascq_weight_only_columns(const void *xq, const int32_t *xsum, const float *
                               int zeros_kind, float *y, int num_rows, int n, int k, int group_size, int j0, int j1);
 void ascq_quantize_rows_a8(const void *x, int is_bf16, int num_rows, int k, int group_size, int8_t *xq,
                            float *xscale, int32_t *xsum);
+void ascq_quantize_rows_int8(const void *x, int is_bf16, int num_rows, int k, int group_size, float input_scale,
+                             int input_zero_point, int values_bits, void *xq, float *xscale, int32_t *xsum);
 int ascq_weight_only_shapes_ok(int bits, int k, int group_size);
 int ascq_weight_only_chunk_columns(int n, int num_threads);
 void ascq_bf16_columns(const float *x, const uint16_t *w, float *y, int num_rows, int n, int k, int j0, int j1);

@@ -5,8 +5,12 @@ Paths (thresholds from `python benchmarks/kernel_speed.py`; measurements in docs
 - `dense`: fp32 F.linear. bf16 F.linear runs as M GEMVs (no bf16 GEMM on AVX2): below DENSE_BF16_MAX_M rows
   ascq's native bf16 kernel (bf16_mm.c: each weight row read once for all rows, several times torch at small
   M), from there the bf16 weight is copied into an fp32 workspace and multiplied in fp32 (the crossover
-  measured on SmolLM2's layers). The LM head (vocab x hidden, so the per-call copy is large) uses the native
-  kernel below LM_HEAD_BF16_MAX_M rows, where it beats both the copy + fp32 GEMM and torch's bf16 GEMVs.
+  measured on SmolLM2's layers). An fp32 engine's weight whose values bf16 holds exactly (a bf16 checkpoint
+  served in fp32, `--dtype auto` on the CPU) is kept in bf16 and takes the same two paths with fp32
+  activations: the same values at half the bytes per decode step (torch's fp32 GEMV also streams its weight
+  far below the memory bound); only the fp32 summation order differs from F.linear's. The LM head (vocab x
+  hidden, so the per-call copy is large) uses the native kernel below LM_HEAD_BF16_MAX_M rows, where it beats
+  both the copy + fp32 GEMM and torch's bf16 GEMVs.
 - `native` (w4a16 / w8a16 with bf16 activations, in % 32 == 0, groups a multiple of 32 or per channel via
   replicated scales, any zero points): ascq's AVX2 kernel (weight_only_mm.c via native.py; activations as
   per-token 16-bit fixed point, 16 weights per madd) below NATIVE_MAX_M, faster than torch's int4pack at M=1;
@@ -22,6 +26,13 @@ Paths (thresholds from `python benchmarks/kernel_speed.py`; measurements in docs
   it differs are the int8 values kept as well).
 - `int8pack` (w8a16 per-channel symmetric): aten._weight_int8pack_mm with bf16 activations below
   INT8PACK_MAX_M.
+- `native_int8` (w8a8 static/dynamic, w4a8 dynamic, per channel, in % 32 == 0, a 4-bit weight's input
+  symmetric): below NATIVE_INT8_MAX_M rows ascq's native kernel on the weight-only layout, the activations
+  rounded to int8 inside it as the scheme defines (`native.int8_activation_mm`: per token or per tensor, the
+  same bits as `integer_activations`), exact int32 products of the integers (fbgemm's), the scales applied
+  after; at M = 1 fbgemm runs its GEMM machinery for one row (twice for int8 weights, see below) and streams
+  the weights far below the memory bound. From there the `fbgemm` path on its own prepacked copy (no int8
+  copy is kept besides the two; large M dequantizes from the native copy).
 - `fbgemm` (w8a8 static/dynamic, w4a8 dynamic, per channel): fbgemm's int8 GEMM with explicit input qparams,
   exact. AVX2 multiplies u8 x s8 pairs into saturating int16, so activations must stay within 7 bits: for int8
   weights the integer activation v (|v| <= 255) is split as v = 4*h + l (h in [-64, 63], l in [0, 3]) and run
@@ -59,13 +70,14 @@ from ascq.kernels.paged_sdpa import write_kv_cache
 from ascq.kernels.reference import fake_quantize_input, integer_activations, select_experts
 
 __all__ = ["linear", "moe_experts", "paged_attention", "prepare_experts", "prepare_linear", "select_experts"]
-__all__ += ["write_kv_cache"]
+__all__ += ["streamed_bytes", "write_kv_cache"]
 
 DENSE_BF16_MAX_M = 32
 LM_HEAD_BF16_MAX_M = 128
 INT4PACK_MAX_M = 256
 NATIVE_MAX_M = 512  # the crossover with dequantize + fp32 GEMM on SmolLM2's shapes
 INT8PACK_MAX_M = 64
+NATIVE_INT8_MAX_M = 8  # W8A8 / W4A8: the native int8-activation kernel below, fbgemm from here
 # 4-bit weight-only products from this many rows take the 8-bit activation kernel (at M = 1 both kernels
 # stream the weight from DRAM at the same speed; from 2 rows it wins: benchmarks/kernel_speed.py)
 W4_A8_MIN_M = 2
@@ -152,7 +164,7 @@ class FbgemmWeights:
 
 @dataclass
 class CpuLinear:
-    kernel: str  # dense | native | int4pack | int8pack | fbgemm | dequant
+    kernel: str  # dense | native | int4pack | int8pack | native_int8 | fbgemm | dequant
     weights: QuantLinearWeights  # scheme and input qparams; its weight is on the meta device
     out_features: int
     weight: torch.Tensor | None  # dense: float; else int8 [out, in] for the dequant path (None: unused)
@@ -166,6 +178,10 @@ class CpuLinear:
         None  # AMX hosts: the bf16 weight kept within ASCQ_BF16_WEIGHT_CACHE_MB
     )
     bf16_prepacked: bool = False  # bf16_weight is in oneDNN's blocked layout (`_onednn_pack`)
+    # native_int8: fbgemm's copy for medium M (`packed`: the native one), the activations' static qparams
+    fbgemm: FbgemmWeights | None = None
+    input_scale: float | None = None  # None: per token (dynamic)
+    input_zero_point: int = 0
 
 
 def _int4pack_group_size(w: QuantLinearWeights) -> int | None:
@@ -199,12 +215,33 @@ def _native_group_size(w: QuantLinearWeights) -> int | None:
     return native_per_channel_group_size(w.in_features, w.num_bits)
 
 
+def _static_input_qparams(w: QuantLinearWeights) -> tuple[float | None, int]:
+    """(input scale, input zero point) of a static W8A8 linear; (None, 0) for per-token activations."""
+    if w.scheme != "w8a8_static":
+        return None, 0
+    zero = 0 if w.input_zero_point is None else int(w.input_zero_point.reshape(()))
+    return float(w.input_scale.float().reshape(())), zero
+
+
+def _native_int8_applies(w: QuantLinearWeights) -> bool:
+    """Whether the native kernel takes this per-channel W8A8 / W4A8 linear (`native.int8_activation_mm`)."""
+    scale, zero = _static_input_qparams(w)
+    return (
+        native_per_channel_group_size(w.in_features, w.num_bits) is not None
+        and (scale is None or scale > 0)
+        and (w.num_bits == 8 or zero == 0)
+        and native.load() is not None
+    )
+
+
 def _choose_kernel(w: QuantLinearWeights, dtype: torch.dtype) -> str:
     per_channel = w.group_size is None or w.group_size == w.in_features
     if w.scheme == "dense":
         return "dense"
     if w.scheme in ("w8a8_dynamic", "w8a8_static", "w4a8_dynamic"):
-        return "fbgemm" if per_channel else "dequant"
+        if not per_channel:
+            return "dequant"
+        return "native_int8" if _native_int8_applies(w) else "fbgemm"
     if dtype != torch.bfloat16:
         return "dequant"
     if w.scheme in ("w4a16", "w8a16") and _native_group_size(w) is not None and native.load() is not None:
@@ -248,12 +285,25 @@ def _prepare_native(p: CpuLinear) -> None:
     p.zero = None if p.zero is None else native.compact_qparams(p.zero, integral=True)
 
 
-def _prepare_fbgemm(p: CpuLinear) -> None:
+def _fbgemm_weights(p: CpuLinear) -> FbgemmWeights:
     zero = torch.zeros(p.out_features, dtype=torch.int64) if p.zero is None else p.zero[:, 0].round().long()
     with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes them
         warnings.simplefilter("ignore")
         qweight = torch._make_per_channel_quantized_tensor(p.weight, p.scale[:, 0].double(), zero, 0)
-        p.packed = FbgemmWeights(torch.ops.quantized.linear_prepack(qweight, None))
+        return FbgemmWeights(torch.ops.quantized.linear_prepack(qweight, None))
+
+
+def _prepare_native_int8(p: CpuLinear) -> None:
+    """fbgemm's copy for medium M, the native layout (per-channel qparams repeated per kernel group) for small
+    M and the dequantized large-M path; the int8 values themselves are not kept."""
+    p.fbgemm = _fbgemm_weights(p)
+    bits, in_features = p.weights.num_bits, p.weights.in_features
+    repeats = in_features // native_per_channel_group_size(in_features, bits)
+    zeros = None if p.zero is None else p.zero.repeat_interleave(repeats, 1)
+    scales = p.scale.repeat_interleave(repeats, 1)
+    p.packed = native.pack(p.weight, bits, scales, zeros, in_features // repeats)
+    p.weight = None
+    p.input_scale, p.input_zero_point = _static_input_qparams(p.weights)
 
 
 def _metadata_only(w: QuantLinearWeights) -> QuantLinearWeights:
@@ -272,9 +322,8 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
     bias = None if w.bias is None else w.bias.float()
     meta = _metadata_only(w)
     if kernel == "dense":
-        return _with_bf16_copy(
-            CpuLinear(kernel, meta, w.out_features, w.weight.to(dtype).contiguous(), bias=bias)
-        )
+        p = CpuLinear(kernel, meta, w.out_features, _dense_weight(w.weight, dtype), bias=bias)
+        return _with_bf16_copy(p) if dtype == torch.bfloat16 else p
     zero = None if w.zero_point is None else w.zero_point.float()
     p = CpuLinear(
         kernel, meta, w.out_features, w.weight.contiguous(), w.weight_scale.float(), zero, bias=bias
@@ -287,11 +336,24 @@ def prepare_linear(w: QuantLinearWeights, dtype: torch.dtype = torch.float32) ->
             p.weight = None  # keep 4 bits per weight: large M dequantizes from the packed copy
     elif kernel == "int8pack":
         p.packed = Int8PackWeights(p.scale[:, 0].to(torch.bfloat16))
+    elif kernel == "native_int8":
+        _prepare_native_int8(p)
     elif kernel == "fbgemm":
-        _prepare_fbgemm(p)
+        p.packed = _fbgemm_weights(p)
         if w.num_bits == 4:
             p.weight = None  # fbgemm keeps its own copy and serves every M
     return _with_bf16_copy(p)
+
+
+def _dense_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A dense weight as the `dense` path keeps it: in `dtype`, except an fp32 engine's weight whose values
+    bf16 holds exactly, kept in bf16 where the native bf16 kernel takes it."""
+    native_bf16 = weight.shape[1] % 16 == 0 and native.available()
+    if dtype == torch.float32 and native_bf16 and weight.dtype in (torch.bfloat16, torch.float32):
+        values = weight.bfloat16()
+        if weight.dtype == torch.bfloat16 or torch.equal(values.float(), weight):
+            return values.contiguous()
+    return weight.to(dtype).contiguous()
 
 
 def _with_bf16_copy(p: CpuLinear) -> CpuLinear:
@@ -341,7 +403,7 @@ def _dequantized(p: CpuLinear) -> torch.Tensor:
     if p.kernel == "native" and p.scale is None:  # qparams only in the packed copy
         bf16 = _workspace(p.out_features, p.weights.in_features, torch.bfloat16)
         return buf.copy_(native.dequantize_bf16(None, p.packed, bf16))
-    if p.weight is None and p.kernel == "native":
+    if p.weight is None and p.kernel in ("native", "native_int8"):
         native.unpack_into(p.packed, buf)
     elif p.weight is None:
         _unpack_int4pack_into(p, buf)
@@ -452,10 +514,11 @@ def bf16_small_m_linear(
 
 def _dense_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if p.weight.dtype == torch.bfloat16 and x.shape[0] >= DENSE_BF16_MAX_M:
-        return _large_m_linear(x, p)
+        # fp32 activations (a bf16-exact weight of an fp32 engine) stay fp32
+        return _large_m_linear(x, p) if x.dtype == torch.bfloat16 else _dequant_linear(x, p)
     y = bf16_small_m_linear(x, p.weight)
-    if y is not None:
-        return (y if p.bias is None else y + p.bias).to(p.weight.dtype)
+    if y is not None:  # fp32; `linear` rounds it to x's dtype
+        return y if p.bias is None else y + p.bias
     bias = None if p.bias is None else p.bias.to(p.weight.dtype)
     return F.linear(x.to(p.weight.dtype), p.weight, bias)
 
@@ -493,12 +556,19 @@ def _int8pack_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     return y if p.bias is None else y + p.bias
 
 
+def _native_int8_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+    if x.shape[0] >= NATIVE_INT8_MAX_M:
+        return _fbgemm_linear(x, p)
+    y = native.int8_activation_mm(None, x, p.packed, p.input_scale, p.input_zero_point)
+    return y if p.bias is None else y + p.bias
+
+
 def _fbgemm_linear(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if p.weights.num_bits == 8 and x.shape[0] >= FBGEMM_SPLIT_MAX_M:
         return _dequant_linear(x, p)
     gemm = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
     v, scale = integer_activations(x.float(), p.weights)
-    params = p.packed.params
+    params = (p.packed if p.fbgemm is None else p.fbgemm).params
     if p.weights.num_bits == 4:
         y = gemm(v, 1.0, 128, params)
     else:
@@ -513,9 +583,27 @@ _LINEARS = {
     "native": _native_linear,
     "int4pack": _int4pack_linear,
     "int8pack": _int8pack_linear,
+    "native_int8": _native_int8_linear,
     "fbgemm": _fbgemm_linear,
     "dequant": _dequant_linear,
 }
+
+
+def streamed_bytes(p: CpuLinear) -> int:
+    """The bytes of weights and qparams a small-M product of `p` reads (the copy its kernel keeps for decode
+    batches; the dequantizing path also writes and reads its fp32 workspace): what one decode step moves from
+    memory for this linear, whatever the batch."""
+    workspace = 0
+    if p.kernel in ("native", "native_int8"):
+        parts = (p.packed.data, p.packed.scales, p.packed.zeros)
+    elif p.kernel == "int4pack":
+        parts = (p.packed.packed, p.packed.scales_and_zeros)
+    elif p.kernel == "fbgemm":  # its prepacked copy: a byte per weight
+        return p.out_features * p.weights.in_features
+    else:
+        parts = (p.weight, p.scale, p.zero)
+        workspace = 2 * 4 * p.out_features * p.weights.in_features if p.kernel == "dequant" else 0
+    return workspace + sum(t.numel() * t.element_size() for t in (*parts, p.bias) if t is not None)
 
 
 def _linear_rows(rows: torch.Tensor, p: CpuLinear) -> torch.Tensor:

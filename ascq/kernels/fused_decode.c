@@ -9,6 +9,7 @@
 //   norms: torch's F.rms_norm on fp32 (squares summed in torch's order, ascq_torch_sum), rounded to bf16, times
 //     the bf16 weight, rounded; residual adds and the rotary's products and sum rounded to bf16 after each op;
 //   linears: the kernels' fp32 result (+ fp32 bias), rounded to bf16; dense bf16 weights see x converted to fp32;
+//     W8A8 / W4A8 linears (int8_activations) round x to int8 as ascq_int8_activation_mm does;
 //   silu: a table of torch's own bf16 silu for all 65536 inputs (built by the caller), then * up rounded to bf16;
 //   attention: the native kernel on the fp32 query, rounded to bf16.
 // The MLP is a Llama MLP (gate_up -> silu * up -> down), or a DeepSeek-MoE block (runtime/models/deepseek.py, the
@@ -80,12 +81,15 @@ typedef struct {  // a linear's input as its kernel wants it
 
 // Whether p's product over num_rows rows runs on 8-bit activations (as cpu.linear decides per call).
 static int takes_a8(const ascq_fused_linear *p, int num_rows) {
-    return p->kind == 4 && p->a8_min_rows > 0 && num_rows >= p->a8_min_rows;
+    return p->kind == 4 && (p->int8_activations || (p->a8_min_rows > 0 && num_rows >= p->a8_min_rows));
 }
 
 static void prepare_input(const ascq_fused_linear *p, const uint16_t *x, int num_rows, const linear_input *in) {
     if (p->kind == 0) {
         to_f32(x, in->xf, (long)num_rows * p->k);
+    } else if (p->int8_activations) {  // W8A8 / W4A8: as ascq_int8_activation_mm rounds them
+        ascq_quantize_rows_int8(x, 1, num_rows, p->k, p->group_size, p->input_scale, p->input_zero_point,
+                                p->kind == 4 ? 8 : 16, in->xq, in->xscale, in->xsum);
     } else if (takes_a8(p, num_rows)) {
         ascq_quantize_rows_a8(x, 1, num_rows, p->k, p->group_size, (int8_t *)in->xq, in->xscale, in->xsum);
     } else {
@@ -161,6 +165,9 @@ static void linear_output(const ascq_fused_linear *p, float *y, int num_rows, ui
 static int linear_ok(const ascq_fused_linear *p, int n, int k) {
     if (p->n != n || p->k != k || !p->weight) return 0;
     if (p->kind == 0) return k % 16 == 0;
+    if (p->int8_activations && (p->input_zero_point < -128 || p->input_zero_point > 127 ||
+                                (p->kind == 4 && p->input_zero_point != 0)))
+        return 0;
     return ascq_weight_only_shapes_ok(p->kind, k, p->group_size) && p->scales;
 }
 

@@ -1,8 +1,9 @@
-"""ascq's native CPU kernels (weight_only_mm.c: W4A16 / W8A16 matmul; bf16_mm.c: bf16-weight matmul for small
-M; paged_decode_attention.c; fused_decode.c: a decoder stack's decode step in one call; torch_cpu_ops.c: the
-torch reductions and MoE routing it reproduces; the converter's gptq_columns.c, group_quant_error.c and
-group_fake_quant.c: GPTQ's column loop, the MSE observer's search, min-max fake quantization and AWQ's clip
-search), compiled with the system C compiler on first use into one shared library and loaded via ctypes.
+"""ascq's native CPU kernels (weight_only_mm.c: W4A16 / W8A16 and W8A8 / W4A8 matmul; bf16_mm.c:
+bf16-weight matmul for small M; paged_decode_attention.c; fused_decode.c: a decoder stack's decode step in one
+call; torch_cpu_ops.c: the torch reductions and MoE routing it reproduces; the converter's gptq_columns.c,
+group_quant_error.c and group_fake_quant.c: GPTQ's column loop, the MSE observer's search, min-max fake
+quantization and AWQ's clip search), compiled with the system C compiler on first use into one shared library
+and loaded via ctypes.
 
 No torch headers are needed (the kernels take raw pointers), so a compile takes about a second. The shared
 object is cached under $ASCQ_CACHE_DIR (default ~/.cache/ascq/kernels), named by a hash of source, flags and
@@ -427,6 +428,62 @@ def _weight_only_mm(
     return y
 
 
+def int8_activation_mm(
+    lib: ctypes.CDLL | None,
+    x: torch.Tensor,
+    w: PackedWeights,
+    input_scale: float | None = None,
+    input_zero_point: int = 0,
+) -> torch.Tensor:
+    """W8A8 / W4A8: x [M, K] bf16 or fp32 rounded to int8 as the scheme defines (input_scale None: per token,
+    `qmath.quantize_per_token`; else per tensor, `qmath.quantize_static_input`, the same bits), times `w` (8
+    bits; 4 bits with a symmetric input only) -> fp32 [M, N]: the exact integer product times the weight and
+    activation scales (weight_only_mm.c)."""
+    scale = -1.0 if input_scale is None else float(input_scale)
+    args = (x, w.data, w.bits, w.scales, w.zeros, w.group_size, w.n, scale, int(input_zero_point))
+    if torch.compiler.is_compiling():
+        return torch.ops.ascq.int8_activation_mm(*args)
+    return _int8_activation_mm(lib, *args)
+
+
+def _int8_activation_mm(
+    lib: ctypes.CDLL | None,
+    x: torch.Tensor,
+    data: torch.Tensor,
+    bits: int,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    n: int,
+    input_scale: float,
+    input_zero_point: int,
+) -> torch.Tensor:
+    lib = load() if lib is None else lib
+    x = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    status = lib.ascq_int8_activation_mm(
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        data.data_ptr(),
+        bits,
+        *qparam_args(scales, zeros),
+        input_scale,
+        input_zero_point,
+        y.data_ptr(),
+        x.shape[0],
+        n,
+        x.shape[1],
+        group_size,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(
+            f"{bits}-bit kernel with int8 activations rejected shapes x {tuple(x.shape)}, group size "
+            f"{group_size}, input zero point {input_zero_point}"
+        )
+    return y
+
+
 def dequantize_bf16(lib: ctypes.CDLL | None, w: PackedWeights, out: torch.Tensor) -> torch.Tensor:
     """The dequantized weight (q - zero) * scale of `w`, rounded to bf16, written into `out` (bf16 [N, K])."""
     lib = load() if lib is None else lib
@@ -696,18 +753,28 @@ _OPS.define(
     "weight_only_mm(Tensor x, Tensor weight, int bits, Tensor scales, Tensor? zeros, int group_size, int n, "
     "int activation_bits) -> Tensor"
 )
+_OPS.define(
+    "int8_activation_mm(Tensor x, Tensor weight, int bits, Tensor scales, Tensor? zeros, int group_size, "
+    "int n, float input_scale, int input_zero_point) -> Tensor"
+)
 _OPS.define("bf16_mm(Tensor x, Tensor weight) -> Tensor")
 _OPS.define(
     "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
     "Tensor seq_lens, float scale, float k_scale, float v_scale) -> Tensor"
 )
 _OPS.impl("weight_only_mm", functools.partial(_weight_only_mm, None), "CPU")
+_OPS.impl("int8_activation_mm", functools.partial(_int8_activation_mm, None), "CPU")
 _OPS.impl("bf16_mm", functools.partial(bf16_mm, None), "CPU")
 _OPS.impl("paged_decode_attention", functools.partial(paged_decode_attention, None), "CPU")
 
 
 @torch.library.register_fake("ascq::weight_only_mm", lib=_OPS)
 def _(x, weight, bits, scales, zeros, group_size, n, activation_bits):
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+@torch.library.register_fake("ascq::int8_activation_mm", lib=_OPS)
+def _(x, weight, bits, scales, zeros, group_size, n, input_scale, input_zero_point):
     return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
 

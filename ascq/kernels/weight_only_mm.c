@@ -351,6 +351,70 @@ void ascq_weight_only_columns(const void *xq, const int32_t *xsum, const float *
     }
 }
 
+// ---- integer activations as W8A8 / W4A8 checkpoints define them --------------------------------------------
+// Per token (dynamic: scale = max|x| / 127 in fp32, a zero row scale 0) or per tensor (static: the checkpoint's
+// input scale and zero point), q = clamp(round_half_even(x / scale) + zero point, -128, 127) by an IEEE division
+// as qmath.quantize_per_token / quantize_static_input compute it (the same bits), and v = q - zero point the
+// integer each weight multiplies. 8-bit weights take v as int16 (|v| <= 255) through tile_rows (exact int32 sums
+// of |v * w| <= 255 * 128 per product), 4-bit weights as int8 (symmetric only) through tile_rows_a8 with the row's
+// scale repeated per group. The products are exact integer sums; only the scales are applied in float.
+static void quantize_row_int8(const void *x, int is_bf16, int k, int group_size, float input_scale,
+                              int input_zero_point, int values_bits, void *xq, float *xscale, int32_t *xsum) {
+    float scale = input_scale;
+    if (input_scale <= 0.f) {  // dynamic: the row's max |x| / 127
+        __m256 amax8 = _mm256_setzero_ps(), abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (int i = 0; i < k; i += 8)
+            amax8 = _mm256_max_ps(_mm256_and_ps(load8_row(x, is_bf16, i), abs_mask), amax8);
+        float lanes[8], amax = 0.f;
+        _mm256_storeu_ps(lanes, amax8);
+        for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
+        scale = amax / 127.f;
+    }
+    __m256 divisor = _mm256_set1_ps(scale > 0.f ? scale : 1.f), zero = _mm256_set1_ps((float)input_zero_point);
+    __m256 low = _mm256_set1_ps(-128.f), high = _mm256_set1_ps(127.f);
+    int num_groups = k / group_size;
+    for (int g = 0; g < num_groups; g++) {
+        __m256i sum = _mm256_setzero_si256();
+        for (int i = g * group_size; i < (g + 1) * group_size; i += 32) {
+            __m256i v[4];
+            for (int h = 0; h < 4; h++) {
+                __m256 q = _mm256_round_ps(_mm256_div_ps(load8_row(x, is_bf16, i + 8 * h), divisor),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, zero), low), high);
+                v[h] = _mm256_cvtps_epi32(_mm256_sub_ps(q, zero));
+                sum = _mm256_add_epi32(sum, v[h]);
+            }
+            if (values_bits == 16) {
+                for (int h = 0; h < 4; h += 2)
+                    _mm256_storeu_si256((__m256i *)((int16_t *)xq + i + 8 * h),
+                                        _mm256_permute4x64_epi64(_mm256_packs_epi32(v[h], v[h + 1]), 0xd8));
+            } else {  // as quantize_row_a8 packs them
+                __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+                bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256((__m256i *)((int8_t *)xq + i), bytes);
+            }
+        }
+        int32_t parts[8], total = 0;
+        _mm256_storeu_si256((__m256i *)parts, sum);
+        for (int l = 0; l < 8; l++) total += parts[l];
+        xsum[g] = total;
+        if (values_bits == 8) xscale[g] = scale;
+    }
+    if (values_bits == 16) *xscale = scale;
+}
+
+// Activation rows x [M, K] -> integer values (int16 where values_bits is 16, else int8) [M, K], xscale (per row, or
+// per row and group at 8) and xsum int32 [M, K / group_size]. input_scale <= 0: per token. Also used by
+// fused_decode.c.
+void ascq_quantize_rows_int8(const void *x, int is_bf16, int num_rows, int k, int group_size, float input_scale,
+                             int input_zero_point, int values_bits, void *xq, float *xscale, int32_t *xsum) {
+    size_t row_bytes = is_bf16 ? 2 : 4, num_groups = k / group_size, value_bytes = values_bits / 8;
+    for (int m = 0; m < num_rows; m++)
+        quantize_row_int8((const char *)x + m * row_bytes * k, is_bf16, k, group_size, input_scale,
+                          input_zero_point, values_bits, (char *)xq + m * value_bytes * k,
+                          xscale + m * (values_bits == 8 ? num_groups : 1), xsum + m * num_groups);
+}
+
 // Columns per chunk of an n-column product (whole tiles): CHUNKS_PER_THREAD chunks per thread. A chunk's weights
 // are one contiguous run, and at M = 1 the weights come from DRAM (a decode step streams more than the L3 holds),
 // where long runs matter: two chunks per thread with a 4 KiB prefetch beat 8-tile chunks with 1 KiB clearly on
@@ -367,6 +431,39 @@ int ascq_weight_only_shapes_ok(int bits, int k, int group_size) {
            group_size <= max_group;
 }
 
+// Every column of y [M, N] from quantized rows (xq, xsum, xscale as ascq_weight_only_columns takes them), in chunks
+// taken by whichever thread is free: a descheduled thread (a shared machine) delays only its chunk.
+static void all_columns(const void *xq, const int32_t *xsum, const float *xscale, const uint8_t *w, int bits,
+                        int activation_bits, const void *scales, int scales_bf16, const void *zeros, int zeros_kind,
+                        float *y, int num_rows, int n, int k, int group_size, int num_threads) {
+    int chunk_columns = ascq_weight_only_chunk_columns(n, num_threads);
+    int num_chunks = (n + chunk_columns - 1) / chunk_columns;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int c = 0; c < num_chunks; c++) {
+        int j0 = c * chunk_columns, j1 = j0 + chunk_columns < n ? j0 + chunk_columns : n;
+        ascq_weight_only_columns(xq, xsum, xscale, w, bits, activation_bits, scales, scales_bf16, zeros, zeros_kind,
+                                 y, num_rows, n, k, group_size, j0, j1);
+    }
+}
+
+typedef struct {  // a product's quantized activation rows
+    void *xq;
+    int32_t *xsum;
+    float *xscale;
+} quantized_rows;
+
+static int alloc_rows(quantized_rows *r, int num_rows, int k, int group_size, int value_bytes, int scales_per_group) {
+    size_t num_groups = k / group_size;
+    r->xq = malloc((size_t)num_rows * k * value_bytes);
+    r->xsum = malloc(sizeof(int32_t) * num_rows * num_groups);
+    r->xscale = malloc(sizeof(float) * num_rows * (scales_per_group ? num_groups : 1));
+    if (r->xq && r->xsum && r->xscale) return 0;
+    free(r->xq), free(r->xsum), free(r->xscale);
+    return -1;
+}
+
+static void free_rows(quantized_rows *r) { free(r->xq), free(r->xsum), free(r->xscale); }
+
 // x [M, K] (fp32, or bf16 when is_bf16) -> y [M, N] fp32. w, scales, zeros: the tiled layout above (zeros NULL:
 // symmetric; zeros_kind says their type). activation_bits: 16, or 8 for 4-bit weights (see the section above).
 // num_threads: torch.get_num_threads() of the caller.
@@ -376,31 +473,40 @@ int ascq_weight_only_mm(const void *x, int is_bf16, const uint8_t *w, int bits, 
                         const void *scales, int scales_bf16, const void *zeros, int zeros_kind, float *y, int num_rows,
                         int n, int k, int group_size, int num_threads) {
     int a8 = activation_bits == 8;
+    quantized_rows r;
     if (!ascq_weight_only_shapes_ok(bits, k, group_size) || num_rows < 1 || n < 1 || num_threads < 1 ||
-        !zeros_ok(zeros, zeros_kind) || !(activation_bits == 16 || (a8 && bits == 4)))
+        !zeros_ok(zeros, zeros_kind) || !(activation_bits == 16 || (a8 && bits == 4)) ||
+        alloc_rows(&r, num_rows, k, group_size, a8 ? 1 : 2, a8))
         return -1;
-    int num_groups = k / group_size;
-    void *xq = malloc((size_t)num_rows * k * (a8 ? sizeof(int8_t) : sizeof(int16_t)));
-    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)num_rows * num_groups);
-    float *xscale = malloc(sizeof(float) * (size_t)num_rows * (a8 ? num_groups : 1));
-    if (!xq || !xsum || !xscale) {
-        free(xq), free(xsum), free(xscale);
-        return -1;
-    }
     if (a8)
-        ascq_quantize_rows_a8(x, is_bf16, num_rows, k, group_size, xq, xscale, xsum);
+        ascq_quantize_rows_a8(x, is_bf16, num_rows, k, group_size, r.xq, r.xscale, r.xsum);
     else
-        ascq_quantize_rows(x, is_bf16, num_rows, k, group_size, xq, xscale, xsum);
-    int chunk_columns = ascq_weight_only_chunk_columns(n, num_threads);
-    int num_chunks = (n + chunk_columns - 1) / chunk_columns;
-    // chunks taken by whichever thread is free: a descheduled thread (a shared machine) delays only its chunk
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-    for (int c = 0; c < num_chunks; c++) {
-        int j0 = c * chunk_columns, j1 = j0 + chunk_columns < n ? j0 + chunk_columns : n;
-        ascq_weight_only_columns(xq, xsum, xscale, w, bits, activation_bits, scales, scales_bf16, zeros, zeros_kind,
-                                 y, num_rows, n, k, group_size, j0, j1);
-    }
-    free(xq), free(xsum), free(xscale);
+        ascq_quantize_rows(x, is_bf16, num_rows, k, group_size, r.xq, r.xscale, r.xsum);
+    all_columns(r.xq, r.xsum, r.xscale, w, bits, activation_bits, scales, scales_bf16, zeros, zeros_kind, y, num_rows,
+                n, k, group_size, num_threads);
+    free_rows(&r);
+    return 0;
+}
+
+// W8A8 / W4A8: x [M, K] rounded to integers as the checkpoint's scheme defines (the section above: input_scale <= 0
+// per token, else per tensor with input_zero_point; 4-bit weights only symmetric), times the weights in the tiled
+// layout -> y [M, N] fp32 = the exact integer product times the weight and activation scales. Same shape
+// requirements as ascq_weight_only_mm. Returns 0, or -1 on bad input.
+int ascq_int8_activation_mm(const void *x, int is_bf16, const uint8_t *w, int bits, const void *scales,
+                            int scales_bf16, const void *zeros, int zeros_kind, float input_scale,
+                            int input_zero_point, float *y, int num_rows, int n, int k, int group_size,
+                            int num_threads) {
+    int values_bits = bits == 4 ? 8 : 16;
+    quantized_rows r;
+    if (!ascq_weight_only_shapes_ok(bits, k, group_size) || num_rows < 1 || n < 1 || num_threads < 1 ||
+        !zeros_ok(zeros, zeros_kind) || input_zero_point < -128 || input_zero_point > 127 ||
+        (bits == 4 && input_zero_point != 0) || alloc_rows(&r, num_rows, k, group_size, values_bits / 8, bits == 4))
+        return -1;
+    ascq_quantize_rows_int8(x, is_bf16, num_rows, k, group_size, input_scale, input_zero_point, values_bits, r.xq,
+                            r.xscale, r.xsum);
+    all_columns(r.xq, r.xsum, r.xscale, w, bits, values_bits == 8 ? 8 : 16, scales, scales_bf16, zeros, zeros_kind, y,
+                num_rows, n, k, group_size, num_threads);
+    free_rows(&r);
     return 0;
 }
 

@@ -1,6 +1,6 @@
 """A prepared cpu-backend linear as the fused decode sees it (ascq_kernels.h's `ascq_fused_linear`): which
-ones it takes (the native weight-only kernel, dense bf16 weights on the native bf16 kernel) and their C
-view."""
+ones it takes (the native weight-only kernel, W8A8 / W4A8 on the native int8-activation kernel, dense bf16
+weights on the native bf16 kernel) and their C view."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ def prepared_reason(p: object) -> str | None:
         return "a linear is not on the cpu backend"
     if p.kernel == "dense" and p.weight.dtype == torch.bfloat16 and p.weight.shape[1] % 16 == 0:
         return None
-    if p.kernel == "native":
+    if p.kernel in ("native", "native_int8"):
         return None
     return (
-        f"a linear runs on the {p.kernel!r} kernel (fused decode takes native weight-only and dense bf16 "
-        f"linears)"
+        f"a linear runs on the {p.kernel!r} kernel (fused decode takes native weight-only, native int8 "
+        f"activation and dense bf16 linears)"
     )
 
 
@@ -44,21 +44,26 @@ def linear_struct(p: cpu.CpuLinear) -> tuple[Linear, int]:
     bias = ptr(p.bias)
     if p.kernel == "dense":
         n, k = p.weight.shape
-        return Linear(0, n, k, 0, 0, 0, 0, p.weight.data_ptr(), None, None, bias), cpu.DENSE_BF16_MAX_M - 1
+        struct = Linear(kind=0, n=n, k=k, weight=p.weight.data_ptr(), bias=bias)
+        return struct, cpu.DENSE_BF16_MAX_M - 1
     w = p.packed
     scales, scales_bf16, zeros, zeros_kind = native.qparam_args(w.scales, w.zeros)
-    a8_min_rows = cpu.w4_a8_min_rows() if w.bits == 4 else 0
     struct = Linear(
-        w.bits,
-        w.n,
-        w.k,
-        w.group_size,
-        scales_bf16,
-        zeros_kind,
-        a8_min_rows,
-        w.data.data_ptr(),
-        scales,
-        zeros,
-        bias,
+        kind=w.bits,
+        n=w.n,
+        k=w.k,
+        group_size=w.group_size,
+        scales_bf16=scales_bf16,
+        zeros_kind=zeros_kind,
+        weight=w.data.data_ptr(),
+        scales=scales,
+        zeros=zeros,
+        bias=bias,
     )
+    if p.kernel == "native_int8":
+        struct.int8_activations = 1
+        struct.input_scale = -1.0 if p.input_scale is None else p.input_scale
+        struct.input_zero_point = p.input_zero_point
+        return struct, cpu.NATIVE_INT8_MAX_M - 1
+    struct.a8_min_rows = cpu.w4_a8_min_rows() if w.bits == 4 else 0
     return struct, cpu.native_max_m() - 1

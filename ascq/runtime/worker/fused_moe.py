@@ -90,7 +90,9 @@ def block_reason(block: DeepseekMoEBlock) -> str | None:
     ):
         if reason:
             return reason
-    if len({(p.kernel, p.packed.group_size if p.kernel == "native" else 0) for p in prepared.gate_up}) != 1:
+    native_kernels = ("native", "native_int8")
+    layouts = {(p.kernel, p.packed.group_size if p.kernel in native_kernels else 0) for p in prepared.gate_up}
+    if len(layouts) != 1:
         return "routed experts on different kernels or group sizes"
     if len(set(prepared.intermediate_sizes)) != 1:
         return "routed experts of different sizes"
