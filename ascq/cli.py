@@ -277,6 +277,14 @@ def convert(
             "their quality with it: GPTQ)."
         ),
     ] = "auto",
+    bits_per_weight: Annotated[
+        float | None,
+        typer.Option(
+            help="Mixed precision: mean stored bits per weight (weights + scales + zero points) over the "
+            "linears of the recipe's int4 group scheme; each linear gets int8 or int4 g32/g64/g128 by "
+            "its measured sensitivity (e.g. 4.8)."
+        ),
+    ] = None,
 ) -> None:
     """Quantize a checkpoint with one or more recipes into a zoo entry (layer by layer, atomic)."""
     from ascq.quantize.convert import ConvertOptions, format_summary, parse_size
@@ -297,6 +305,7 @@ def convert(
         max_eval_tokens=max_eval_tokens or None,
         evaluate=evaluate,
         calibration_dtype=calibration_dtype,
+        bits_per_weight=bits_per_weight,
     )
     typer.echo(format_summary(run_convert(options)))
 

@@ -197,6 +197,23 @@ def linear_bytes(
     return sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in specs.values())
 
 
+# what the bits per weight count (`ascq.zoo.card.quantized_weight_bits`): weights, scales and zero points
+BITS_COUNTED = ("weight_packed", "weight", "weight_scale", "weight_zero_point")
+
+
+def linear_stored_bits(
+    weights: QuantizationArgs,
+    input_activations: QuantizationArgs | None,
+    out_features: int,
+    in_features: int,
+    scale_dtype: str = "BF16",
+) -> int:
+    """Stored bits of one quantized linear's weights, scales and zero points (`BITS_COUNTED`)."""
+    specs = linear_tensor_specs(weights, input_activations, out_features, in_features, scale_dtype)
+    counted = [spec for name, spec in specs.items() if name in BITS_COUNTED]
+    return sum(8 * DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in counted)
+
+
 def stored_shape(
     params: dict[str, tuple[str, tuple[int, ...]]], read: Callable[[str], torch.Tensor]
 ) -> tuple[int, int]:

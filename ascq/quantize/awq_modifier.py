@@ -43,7 +43,7 @@ from ascq.quantize.input_capture import replay
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
 from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, CoverageLog, dense_mlp_inputs, num_tokens
-from ascq.quantize.schemes import RecipeError, RecipeScheme, parse_recipe_scheme
+from ascq.quantize.schemes import BUDGET_ARGS, RecipeError, RecipeScheme, parse_recipe_scheme
 
 ARGS = {
     "targets": list,
@@ -60,6 +60,7 @@ ARGS = {
     "search_loss": str,
     "shortlist": int,
     "zp_dtype": str,
+    **BUDGET_ARGS,
 }
 # what a group's α is judged on: its block's output (AutoAWQ, llm-compressor), or its linears' own outputs
 # (the AWQ paper's objective; a Gram-matrix loss over every calibration token, no forward per grid point; not

@@ -34,6 +34,7 @@ from ascq.platforms import CALIBRATION_DEVICES, check_device, device_kind
 from ascq.quantize.architectures import load_architecture
 from ascq.quantize.calibration import CalibrationSet, hub_reachable, load_calibration
 from ascq.quantize.ct_writer import ShardWriter, check_library_version, write_config
+from ascq.quantize.mixed import check_budget
 from ascq.quantize.pipeline import (
     EVAL_SEQ_LEN,
     StreamResult,
@@ -82,6 +83,8 @@ class ConvertOptions:
     calibration_dtype: str = (
         "auto"  # the linears' products in the converter's forwards (`calibration_gemm_dtype`)
     )
+    # a bits budget for the recipe's int4 group scheme (`ascq.quantize.mixed`; overrides the recipe's)
+    bits_per_weight: float | None = None
 
     def __post_init__(self) -> None:
         if not self.recipes:
@@ -177,6 +180,8 @@ def _convert(options: ConvertOptions) -> Path:
     # everything that can be checked without the weights is, before a Hub id is downloaded
     local_dir = local_model_dir(options.model)
     recipe = load_recipes(list(options.recipes))
+    if options.bits_per_weight is not None:
+        set_bits_per_weight(recipe, options.bits_per_weight)
     _check_format(options.format, recipe)
     named_after = local_dir.resolve() if local_dir else options.model
     target = Path(options.out) if options.out else default_output(named_after, recipe.names, options.format)
@@ -238,6 +243,16 @@ def _convert(options: ConvertOptions) -> Path:
     return target
 
 
+def set_bits_per_weight(recipe: ComposedRecipe, bits_per_weight: float) -> None:
+    """`--bits-per-weight`: a budget on the recipe's weight scheme (its own mixed_schemes kept, if any)."""
+    owners = [s for s in recipe.schemes() if s.config_groups]
+    if not owners:
+        raise AscqError(f"--bits-per-weight: recipe {'+'.join(recipe.names)} quantizes no weights")
+    (scheme,) = owners  # ComposedRecipe: one weight owner
+    candidates = scheme.budget.candidates if scheme.budget is not None else None
+    scheme.set_budget(check_budget("--bits-per-weight", bits_per_weight, candidates))
+
+
 def _metrics(
     result: StreamResult,
     calib: CalibrationSet,
@@ -291,6 +306,7 @@ def build_manifest(
             "group_size_fallbacks": result.fallbacks,
             "modifiers": [{"name": m.name, **m.summary()} for m in recipe.modifiers],
             "layers": result.layers,
+            **({"mixed_precision": result.mixed.record()} if result.mixed is not None else {}),
             "compressed_tensors_version": compressed_tensors.__version__,
             "transformers_version": transformers.__version__,
         },

@@ -31,7 +31,7 @@ from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
 from ascq.quantize.moe_coverage import DEFAULT_MIN_TOKENS, CoverageLog, dense_mlp_inputs
 from ascq.quantize.reference_forward import activation_pre_hook, set_dequantized_weight
-from ascq.quantize.schemes import LinearTarget, RecipeError, RecipeScheme, parse_recipe_scheme
+from ascq.quantize.schemes import BUDGET_ARGS, LinearTarget, RecipeError, RecipeScheme, parse_recipe_scheme
 
 log = logging.getLogger(__name__)
 ARGS = {
@@ -45,6 +45,7 @@ ARGS = {
     "min_expert_tokens": int,
     "zp_dtype": str,
     "weighted_mse": bool,
+    **BUDGET_ARGS,
 }
 # "static" (a.k.a. "weight") keeps contiguous groups; "group"/"dynamic" would need a g_idx in the checkpoint
 ACTORDER = {None: False, False: False, "static": True, "weight": True}

@@ -34,6 +34,7 @@ from ascq.quantize.architectures import Architecture, LayerBlock
 from ascq.quantize.ct_writer import ShardWriter, quantization_config
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.layout import decoder_linears
+from ascq.quantize.mixed import MixedPlan, build_units, mixed_config_groups, plan_from_units
 from ascq.quantize.recipe import ComposedRecipe
 from ascq.quantize.reference_forward import fp8_kv_hook, install_quantized, shared_result
 from ascq.quantize.schemes import (
@@ -60,6 +61,7 @@ class StreamResult:
     num_quantized_linears: int
     perplexity_base: float | None = None
     perplexity: float | None = None
+    mixed: MixedPlan | None = None  # the bits budget's allocation (`mixed`), if the recipe has one
 
 
 def return_freed_memory_to_os() -> None:
@@ -253,6 +255,95 @@ class LayerJob:
             log.warning("%s", fit.message())
 
 
+@torch.no_grad()
+def plan_mixed_precision(
+    reader: CheckpointReader,
+    arch: Architecture,
+    schemes: list[RecipeScheme],
+    batches: list[torch.Tensor],
+    device: str,
+    scale_dtype: torch.dtype,
+    gemm_dtype: torch.dtype = torch.float32,
+) -> MixedPlan | None:
+    """For the recipe scheme with a bits budget (`mixed`): one full-precision pass of the calibration batches
+    through every layer recording mean x² per input column of each linear it quantizes, the linears reading
+    one input grouped into a unit, each unit's weighted error per candidate, the allocation; the scheme's
+    config group is replaced by one explicit group per chosen candidate (in place, so the modifiers that own
+    the scheme quantize with them). None when no scheme has a budget."""
+    scheme = next((s for s in schemes if s.budget is not None), None)
+    if scheme is None:
+        return None
+    (base,) = scheme.config_groups.values()
+    units = []
+    for index in range(arch.num_layers):
+        prefix = arch.layer_prefix(index)
+        layer = fast_layer(
+            arch.build_layer(index, reader.get_prefix(prefix, torch.float32)).to(device), gemm_dtype
+        )
+        targets, _, _ = layer_targets(layer, prefix, [scheme])
+        squares = _InputSquares(layer, list(targets))
+        try:
+            batches = _forward_all(arch, layer, batches)
+        finally:
+            squares.remove()
+        linears = {prefix + n: (layer.get_submodule(n), base.weights) for n in targets}
+        importance = {prefix + n: x2 for n, x2 in squares.mean().items()}
+        shared = [[prefix + n for n in names] for names in squares.shared()]
+        units += build_units(linears, importance, shared, scheme.budget, scale_dtype)
+        del layer
+        trim_heap()
+    plan = plan_from_units(units, scheme.budget)
+    scheme.config_groups = mixed_config_groups(base, plan.choice)
+    return plan
+
+
+class _InputSquares:
+    """Σ x² per input column and the token count at each named linear's input while registered, and which
+    linears read one tensor (their fused product: q/k/v, gate/up)."""
+
+    def __init__(self, layer: nn.Module, names: list[str]) -> None:
+        self.layer, self.names = layer, names
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts = dict.fromkeys(names, 0)
+        self.first: dict[str, torch.Tensor] = {}  # the first input each received
+        self.handles = [layer.get_submodule(n).register_forward_pre_hook(self._hook(n)) for n in names]
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            self.sums[name] = x.pow(2).sum(0) + self.sums.get(name, 0)
+            self.counts[name] += x.shape[0]
+            self.first.setdefault(name, args[0])
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        """mean x² per input column (zeros for a linear that saw no token: an unrouted expert)."""
+        return {
+            n: self.sums[n] / self.counts[n]
+            if self.counts[n]
+            else torch.zeros(self.layer.get_submodule(n).in_features)
+            for n in self.names
+        }
+
+    def shared(self) -> list[list[str]]:
+        """The names grouped by the tensor they first read (the same object), in order."""
+        groups: list[list[str]] = []
+        for name in self.names:
+            x = self.first.get(name)
+            group = next((g for g in groups if x is not None and self.first.get(g[0]) is x), None)
+            if group is None:
+                groups.append([name])
+            else:
+                group.append(name)
+        self.first.clear()
+        return groups
+
+
 @dataclasses.dataclass
 class StreamState:
     """What travels from one layer to the next: hidden states, and what the result will record."""
@@ -356,6 +447,11 @@ def stream_convert(
     if arch.has_routed_experts:
         return_freed_memory_to_os()
     dtype, scale_dtype = checkpoint_dtypes(reader)
+    embed = reader.get("model.embed_tokens.weight")
+    calib_batches = _batches(arch, embed, calib_ids, device)
+    mixed = plan_mixed_precision(
+        reader, arch, recipe.schemes(), calib_batches, device, scale_dtype, gemm_dtype
+    )
     job = LayerJob(
         reader,
         arch,
@@ -368,16 +464,17 @@ def stream_convert(
         source_float_min,
         gemm_dtype,
     )
-    embed = reader.get("model.embed_tokens.weight")
     job.writer.add("model.embed_tokens.weight", embed)
     windows = eval_windows(eval_ids, EVAL_SEQ_LEN) if eval_ids is not None else None
     eval_batches = _batches(arch, embed, windows, device) if windows is not None else []
-    state = StreamState(_batches(arch, embed, calib_ids, device), eval_batches, eval_batches)
-    del embed
+    state = StreamState(calib_batches, eval_batches, eval_batches)
+    del embed, calib_batches
     for index in tqdm(range(arch.num_layers), desc="converting layers", unit="layer", disable=not progress):
         convert_layer(job, state, index)
         trim_heap()
-    return _finish(job, state, windows)
+    result = _finish(job, state, windows)
+    result.mixed = mixed
+    return result
 
 
 def _finish(job: LayerJob, state: StreamState, windows: torch.Tensor | None) -> StreamResult:

@@ -15,7 +15,7 @@ from ascq.core import qmath
 from ascq.quantize import observer
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.modifier import Modifier, QuantizedLinear, check_args
-from ascq.quantize.schemes import RecipeError, RecipeScheme, parse_recipe_scheme
+from ascq.quantize.schemes import BUDGET_ARGS, RecipeError, RecipeScheme, parse_recipe_scheme
 
 ARGS = {
     "targets": list,
@@ -24,6 +24,7 @@ ARGS = {
     "config_groups": dict,
     "kv_cache_scheme": dict,
     "zp_dtype": str,
+    **BUDGET_ARGS,
 }
 
 

@@ -23,6 +23,7 @@ from ascq.core.qmath import block_aligned_group_size, float_zero_point
 from ascq.formats import compressed_tensors as ct
 from ascq.formats.manifest import group_size_fit_text
 from ascq.quantize import observer
+from ascq.quantize.mixed import BitsBudget, check_base_scheme, check_budget
 
 DEFAULT_TARGETS = ["Linear"]
 DEFAULT_IGNORE = list(architecture.DEFAULT_IGNORE)
@@ -36,6 +37,10 @@ SUPPORTED_PRESETS = ("W8A8", "W4A16", "W4A16_ASYM", "W8A16", "W4A8")
 # with float block minima (Q4_1) exactly; `auto` does so only for such a source, else keeps integers. A float
 # dtype stores unrounded zero points at the recipe's group size.
 SOURCE_GRID = ("auto", "float")
+# the modifier arguments of a bits budget (`ascq.quantize.mixed`): mean stored bits per weight over the
+# linears of the modifier's one int4 group scheme, and the schemes a linear may get (default: every one of
+# mixed.CANDIDATES)
+BUDGET_ARGS = {"bits_per_weight": (float, int), "mixed_schemes": list}
 ZP_DTYPES = {
     "auto": None,
     "float": None,
@@ -58,6 +63,20 @@ class RecipeScheme:
     ignore: list[str]
     kv_cache_scheme: QuantizationArgs | None = None
     source_grid: dict[str, str] = dataclasses.field(default_factory=dict)  # config group -> SOURCE_GRID mode
+    # a bits budget: the pipeline replaces the one config group by one group per chosen scheme
+    # (`mixed.mixed_config_groups`) before the layer loop
+    budget: BitsBudget | None = None
+
+    def set_budget(self, budget: BitsBudget) -> None:
+        """Vary this scheme's one config group (weight-only int4 per group) under `budget`."""
+        if len(self.config_groups) != 1:
+            raise RecipeError(f"{self.owner}: bits_per_weight needs exactly one config group (a scheme)")
+        check_base_scheme(self.owner, next(iter(self.config_groups.values())))
+        if self.source_grid:
+            raise UnsupportedError(
+                f"{self.owner}: bits_per_weight and zp_dtype {set(self.source_grid)} do not combine"
+            )
+        self.budget = budget
 
 
 @dataclasses.dataclass
@@ -232,7 +251,12 @@ def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None
     kv = _kv_args(owner, args["kv_cache_scheme"]) if args.get("kv_cache_scheme") is not None else None
     if not groups and kv is None:
         return None
-    return RecipeScheme(owner, groups, ignore, kv, source_grid)
+    scheme = RecipeScheme(owner, groups, ignore, kv, source_grid)
+    if args.get("bits_per_weight") is not None:
+        scheme.set_budget(check_budget(owner, args["bits_per_weight"], args.get("mixed_schemes")))
+    elif args.get("mixed_schemes") is not None:
+        raise RecipeError(f"{owner}: mixed_schemes needs bits_per_weight")
+    return scheme
 
 
 def _match(

@@ -20,6 +20,7 @@ from ascq.core.architecture import head_dim_of
 from ascq.core.families import gemma3
 from ascq.core.families.gemma3 import GEMMA3
 from ascq.core.tensors import tie_word_embeddings
+from ascq.formats.compressed_tensors import BITS_COUNTED
 from ascq.formats.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest
 from ascq.paths import RECIPES_DIR, zoo_root
 
@@ -65,6 +66,7 @@ def render_card(entry_dir: Path, repo_id: str | None = None) -> str:
             f"# {manifest['name']}\n",
             _summary(manifest, config, entry_dir),
             _recipe_section(manifest),
+            *([section] if (section := _mixed_section(manifest)) else []),
             *([_plan_section(manifest["planned"])] if manifest.get("planned") else []),
             _quality_section(manifest),
             _serve_section(manifest, config, repo_id or _local_ref(entry_dir), from_hub=repo_id is not None),
@@ -160,7 +162,7 @@ def quantized_weight_bits(entry_dir: Path) -> tuple[int, int]:
                 module, _, local = name.rpartition(".")
                 if local != "weight_scale":
                     continue
-                for part in ("weight_packed", "weight", "weight_scale", "weight_zero_point"):
+                for part in BITS_COUNTED:
                     if f"{module}.{part}" in names:
                         t = f.get_slice(f"{module}.{part}")
                         bits += math.prod(t.get_shape()) * SAFETENSORS_BITS[t.get_dtype()]
@@ -237,9 +239,51 @@ def _summary(manifest: dict[str, Any], config: dict[str, Any], entry_dir: Path) 
         ),
         ("size", f"{size / 2**20:.1f} MiB in {len(files)} files besides this card"),
         *([("bits per weight", bpw)] if (bpw := _bits_per_weight_text(entry_dir)) else []),
+        *([("mixed precision", mixed)] if (mixed := _mixed_text(manifest)) else []),
     ]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     return f"{intro}\n{table}"
+
+
+def _mixed(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    return (manifest.get("conversion") or {}).get("mixed_precision")
+
+
+def _mixed_text(manifest: dict[str, Any]) -> str | None:
+    mixed = _mixed(manifest)
+    if not mixed:
+        return None
+    counts = ", ".join(f"{n} × {c}" for c, n in mixed["num_linears"].items())
+    return (
+        f"a bits budget of {mixed['target_bits_per_weight']} per weight over the linears, achieved "
+        f"{mixed['bits_per_weight']:.3f}: {counts} linears, chosen by each one's measured sensitivity "
+        "(see Mixed precision)"
+    )
+
+
+def _mixed_section(manifest: dict[str, Any]) -> str:
+    """Each decoder layer's linears by the scheme the allocator chose."""
+    mixed = _mixed(manifest)
+    if not mixed:
+        return ""
+    layers: dict[str, dict[str, list[str]]] = {}
+    for name, choice in mixed["choice"].items():
+        match = re.match(r"^(.*?layers\.\d+)\.(.+)$", name)
+        layer, linear = match.groups() if match else ("", name)
+        layers.setdefault(layer, {}).setdefault(choice, []).append(linear)
+    rows = "".join(
+        f"| {layer or '-'} | "
+        + "; ".join(f"{c}: {', '.join(f'`{n}`' for n in names)}" for c, names in sorted(by.items()))
+        + " |\n"
+        for layer, by in layers.items()
+    )
+    return (
+        "## Mixed precision\n\n"
+        f"Candidates {', '.join(f'`{c}`' for c in mixed['candidates'])}; sensitivity of a linear: "
+        f"`{mixed['sensitivity']}` over the calibration inputs (x: its input; linears reading one input "
+        "share a scheme); allocated greedily by error removed per extra stored bit.\n\n"
+        f"| layer | linears by scheme |\n|---|---|\n{rows}"
+    )
 
 
 def _gguf_source(manifest: dict[str, Any]) -> dict[str, Any] | None:
