@@ -641,12 +641,18 @@ def test_a_planned_entry_is_a_target_its_convert_command_replaces(tmp_path: Path
 
 
 def commands_in(text: str) -> list[str]:
-    """Every `ascq ...` command a text prints: in backticks, or as lines of a ```bash block."""
+    """Every `ascq ...` command a text prints, in the order printed: in backticks, or as lines of a ```bash
+    block."""
     import re
 
-    inline = re.findall(r"`(ascq [^`]+)`", text)
-    blocks = [line for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()]
-    return list(dict.fromkeys([*inline, *(line for line in blocks if line.startswith("ascq "))]))
+    found = [(m.start(), m.group(1)) for m in re.finditer(r"(?<!`)`(ascq [^`]+)`", text)]
+    for block in re.finditer(r"```bash\n(.*?)```", text, re.S):
+        offset = block.start(1)
+        for line in block.group(1).splitlines(keepends=True):
+            if line.startswith("ascq "):
+                found.append((offset, line.strip()))
+            offset += len(line)
+    return list(dict.fromkeys(command for _, command in sorted(found)))
 
 
 def free_port() -> int:
