@@ -238,6 +238,26 @@ def test_malformed_safetensors_headers_are_one_line(
     assert "\n" not in str(info.value)
 
 
+def test_an_entry_with_a_lying_shard_header_is_one_line_in_every_command(
+    entry: Path, capsys: pytest.CaptureFixture
+) -> None:
+    shard = entry / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    header_len = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + header_len])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [1 << 40, 1 << 20]
+    raw = json.dumps(header).encode()
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data[8 + header_len :]))
+    write_manifest(entry, read_manifest(entry))  # the manifest matches: only the header lies
+    for argv in (["zoo", "verify", str(entry)], ["zoo", "card", str(entry)], ["zoo", "show", str(entry)]):
+        code = run(*argv)
+        if argv[1] == "show":  # show reads only the manifest
+            assert code == 0
+            continue
+        assert "model.safetensors is not a valid safetensors file" in one_line_error(capsys, code), argv
+
+
 def test_header_length_beyond_the_file_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "len"
     folder.mkdir()
@@ -621,12 +641,18 @@ def test_a_planned_entry_is_a_target_its_convert_command_replaces(tmp_path: Path
 
 
 def commands_in(text: str) -> list[str]:
-    """Every `ascq ...` command a text prints: in backticks, or as lines of a ```bash block."""
+    """Every `ascq ...` command a text prints, in the order printed: in backticks, or as lines of a ```bash
+    block."""
     import re
 
-    inline = re.findall(r"`(ascq [^`]+)`", text)
-    blocks = [line for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()]
-    return list(dict.fromkeys([*inline, *(line for line in blocks if line.startswith("ascq "))]))
+    found = [(m.start(), m.group(1)) for m in re.finditer(r"(?<!`)`(ascq [^`]+)`", text)]
+    for block in re.finditer(r"```bash\n(.*?)```", text, re.S):
+        offset = block.start(1)
+        for line in block.group(1).splitlines(keepends=True):
+            if line.startswith("ascq "):
+                found.append((offset, line.strip()))
+            offset += len(line)
+    return list(dict.fromkeys(command for _, command in sorted(found)))
 
 
 def free_port() -> int:

@@ -213,7 +213,8 @@ STAGING_TAGS = (
 
 def check_output(target: Path, sources: Sequence[Path] = (), overwrite: bool = False) -> None:
     """Refuse an output folder that would destroy a user's data, before any work is done: the one check of
-    every command that writes a folder (convert, zoo pull, zoo import-gguf, zoo dummy, publish's staging).
+    every command that writes a folder (convert, zoo pull, zoo import-gguf, zoo dummy; publish stages in a
+    fresh temporary folder).
 
     Never a source folder, one that contains a source or one inside a source (even with --overwrite); an
     existing path only with --overwrite, and then only a zoo entry (a folder with ascq.json) or an empty

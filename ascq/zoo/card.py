@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
-from safetensors import safe_open
 
 from ascq.atomic_file import atomic_write
 from ascq.core.architecture import head_dim_of
@@ -22,6 +21,7 @@ from ascq.core.families.gemma3 import GEMMA3
 from ascq.core.tensors import tie_word_embeddings
 from ascq.formats.compressed_tensors import BITS_COUNTED
 from ascq.formats.manifest import MANIFEST_NAME, group_size_fit_text, read_manifest
+from ascq.formats.safetensors import DTYPE_BYTES, CheckpointReader
 from ascq.paths import RECIPES_DIR, zoo_root
 
 CARD_NAME = "README.md"
@@ -30,7 +30,6 @@ LOADERS = {  # who reads each compressed-tensors format
     "int-quantized": ", read by vLLM, transformers and ascq",
     "naive-quantized": ", transformers and ascq only (vLLM's int4 kernels need pack-quantized)",
 }
-SAFETENSORS_BITS = {"I32": 32, "I8": 8, "U8": 8, "F8_E4M3": 8, "BF16": 16, "F16": 16, "F32": 32, "I64": 64}
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 SCHEME_TEXT = {
     "dense": "unquantized weights",
@@ -154,22 +153,22 @@ def _base_link(base: str | None) -> str:
 def quantized_weight_bits(entry_dir: Path) -> tuple[int, int]:
     """(stored bits of the quantized linears' weights + scales + zero points, their parameter count) over the
     entry's safetensors files; (0, 0) for an entry without quantized linears."""
+    if not any(Path(entry_dir).glob("*.safetensors")):
+        return 0, 0
+    reader = CheckpointReader(Path(entry_dir))  # headers checked against their files (an untrusted entry)
     bits = params = 0
-    for path in sorted(Path(entry_dir).glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            names = set(f.keys())
-            for name in names:
-                module, _, local = name.rpartition(".")
-                if local != "weight_scale":
-                    continue
-                for part in BITS_COUNTED:
-                    if f"{module}.{part}" in names:
-                        t = f.get_slice(f"{module}.{part}")
-                        bits += math.prod(t.get_shape()) * SAFETENSORS_BITS[t.get_dtype()]
-                if f"{module}.weight_shape" in names:
-                    params += math.prod(int(d) for d in f.get_tensor(f"{module}.weight_shape").tolist())
-                else:
-                    params += math.prod(f.get_slice(f"{module}.weight").get_shape())
+    for name in reader:
+        module, _, local = name.rpartition(".")
+        if local != "weight_scale":
+            continue
+        for part in BITS_COUNTED:
+            if f"{module}.{part}" in reader:
+                dtype, shape = reader.tensor_info(f"{module}.{part}")
+                bits += math.prod(shape) * 8 * DTYPE_BYTES[dtype]
+        if f"{module}.weight_shape" in reader:
+            params += math.prod(int(d) for d in reader.get(f"{module}.weight_shape").tolist())
+        else:
+            params += math.prod(reader.tensor_info(f"{module}.weight")[1])
     return bits, params
 
 

@@ -11,9 +11,10 @@ size in time and a constant in memory, and is refused in one line.
 from __future__ import annotations
 
 import math
+import mmap
 import struct
+from contextlib import nullcontext
 from pathlib import Path
-from typing import BinaryIO
 
 from ascq.core.errors import AscqError
 
@@ -43,16 +44,17 @@ TENSOR_INFO_MIN_BYTES = STRING_LENGTH_BYTES + 4 + 4 + 8  # name length, n_dims, 
 
 
 class _Header:
-    """A bounded cursor over the file: every read is checked against the bytes left."""
+    """A bounded cursor over the file's bytes (memory-mapped: only the pages read become resident): every read
+    is checked against the bytes left."""
 
-    def __init__(self, f: BinaryIO, size: int, name: str) -> None:
-        self.f, self.size, self.name, self.order = f, size, name, "<"
+    def __init__(self, data: mmap.mmap | bytes, name: str) -> None:
+        self.data, self.size, self.name, self.order, self.pos = data, len(data), name, "<", 0
 
     def left(self) -> int:
-        return self.size - self.f.tell()
+        return self.size - self.pos
 
     def fail(self, why: str) -> AscqError:
-        return AscqError(f"{self.name} is not a readable GGUF file: {why} (at byte {self.f.tell()})")
+        return AscqError(f"{self.name} is not a readable GGUF file: {why} (at byte {self.pos})")
 
     def need(self, num_bytes: int, what: str) -> None:
         if num_bytes > self.left():
@@ -60,14 +62,17 @@ class _Header:
 
     def read(self, num_bytes: int, what: str) -> bytes:
         self.need(num_bytes, what)
-        return self.f.read(num_bytes)
+        self.pos += num_bytes
+        return self.data[self.pos - num_bytes : self.pos]
 
     def skip(self, num_bytes: int, what: str) -> None:
         self.need(num_bytes, what)
-        self.f.seek(num_bytes, 1)
+        self.pos += num_bytes
 
     def scalar(self, code: str, num_bytes: int, what: str) -> int | float | bool:
-        return struct.unpack(self.order + code, self.read(num_bytes, what))[0]
+        self.need(num_bytes, what)
+        self.pos += num_bytes
+        return struct.unpack_from(self.order + code, self.data, self.pos - num_bytes)[0]
 
     def count(self, item_bytes: int, what: str) -> int:
         """A declared item count, refused unless that many items of at least `item_bytes` fit the file."""
@@ -77,6 +82,26 @@ class _Header:
 
     def string(self, what: str) -> bytes:
         return self.read(self.count(1, what), what)
+
+    def skip_strings(self, count: int, what: str) -> None:
+        """Skip `count` length-prefixed strings (a vocabulary: the one loop that must be fast)."""
+        length_of, data, pos, size = (
+            struct.Struct(self.order + "Q").unpack_from,
+            self.data,
+            self.pos,
+            self.size,
+        )
+        for _ in range(count):
+            if pos + STRING_LENGTH_BYTES > size:
+                break
+            pos += STRING_LENGTH_BYTES + length_of(data, pos)[0]
+            if pos > size:
+                break
+        else:
+            self.pos = pos
+            return
+        self.pos = min(pos, size)
+        raise self.fail(f"an item of {what} runs past the end of the file")
 
     def skip_value(self, value_type: int, what: str, depth: int = 0) -> None:
         if value_type in SCALARS:
@@ -90,8 +115,7 @@ class _Header:
             if item_type in SCALARS:
                 self.skip(self.count(SCALARS[item_type][1], what) * SCALARS[item_type][1], what)
             elif item_type == STRING:
-                for _ in range(self.count(STRING_LENGTH_BYTES, what)):
-                    self.skip(self.count(1, f"{what} item"), f"{what} item")
+                self.skip_strings(self.count(STRING_LENGTH_BYTES, what), what)
             elif item_type == ARRAY:
                 for _ in range(self.count(4 + 8, what)):  # each: item type and count
                     self.skip_value(ARRAY, what, depth + 1)
@@ -108,8 +132,11 @@ def check_gguf_header(path: Path) -> None:
 
     path = Path(path)
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        header = _Header(f, size, path.name)
+    with (
+        open(path, "rb") as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else nullcontext(b"") as data,
+    ):
+        header = _Header(data, path.name)
         if header.read(4, "the magic") != MAGIC:
             raise header.fail("it does not start with GGUF")
         version = int(header.scalar("I", 4, "the version"))
@@ -148,7 +175,7 @@ def check_gguf_header(path: Path) -> None:
             if shape and shape[0] % block:
                 raise header.fail(f"tensor {name}'s rows ({shape[0]}) are not whole blocks of {block}")
             extents.append((name, offset, num_elements // block * block_bytes))
-        data_start = -(-f.tell() // alignment) * alignment
+        data_start = -(-header.pos // alignment) * alignment
     for name, offset, num_bytes in extents:
         if offset % alignment or data_start + offset + num_bytes > size:
             raise AscqError(
