@@ -599,12 +599,23 @@ def test_kernel_cache_is_private_and_untrusted_libraries_are_not_loaded(
     assert not native._trusted(library)
 
 
-def test_kernel_cache_owned_by_another_user_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_cache_owned_by_another_user_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ascq.kernels import native
 
-    if os.geteuid() == 0:
-        pytest.skip("root owns every folder it creates; / is root's")
-    monkeypatch.setenv("ASCQ_CACHE_DIR", "/")  # exists, owned by root
+    other_uid = 65534 if os.geteuid() != 65534 else 65533
+    folder, library = tmp_path / "kernels", tmp_path / "theirs.so"
+    folder.mkdir(mode=0o700)
+    library.write_bytes(b"\x7fELF")
+    os.chmod(library, 0o700)
+    if os.geteuid() == 0:  # root can hand files to another user; others find one that is not theirs: /
+        os.chown(folder, other_uid, -1)
+        os.chown(library, other_uid, -1)
+        assert not native._trusted(library)
+    else:
+        folder = Path("/")
+    monkeypatch.setenv("ASCQ_CACHE_DIR", str(folder))
     with pytest.raises(OSError, match="belongs to another user"):
         native._cache_dir()
 
