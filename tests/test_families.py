@@ -36,6 +36,9 @@ TINY = dict(
     num_key_value_heads=2,
     rms_norm_eps=1e-6,
     max_position_embeddings=64,
+    num_experts=4,  # Qwen 3 MoE's
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
 )
 
 
