@@ -14,6 +14,7 @@ import torch
 import transformers
 from engine_helpers import make_engine
 from native_support import needs_native
+from test_distributed import assert_same_tokens
 from test_runtime_models import run_greedy, text_prompts
 
 from ascq.paths import PROJECT_DIR
@@ -155,3 +156,11 @@ def test_qwen3_bf16_serves_eagerly_with_the_fused_decode_refused(checkpoint, mon
     assert engine.model.model.fused_decode is None and "q/k norms" in reason
     prompt = [3 + (5 * j) % 100 for j in range(12)]
     assert len(run_greedy(engine, [prompt], 4)[0]) == 4
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gives_the_single_process_tokens(checkpoint):
+    """TP 2 (and TP 2 + expert parallelism for Qwen 3 MoE) over gloo: the single process's greedy tokens."""
+    family, path = checkpoint
+    parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": family == "qwen3-moe"}
+    assert_same_tokens(path, 4, 8, **parallel)
