@@ -88,6 +88,7 @@ def test_family_facts_read_from_the_rows():
     assert family_of({**TINY, "model_type": "llama"}).qkv_bias({}) is False
     assert lookup("gemma3_text").tie_word_embeddings({}) and not lookup("llama").tie_word_embeddings({})
     assert model_type_of_gguf("gemma3") == "gemma3_text" and model_type_of_gguf("llama") == "llama"
+    assert model_type_of_gguf("qwen3moe") == "qwen3_moe"  # llama.cpp's name
     assert lookup("deepseek").routed_experts and not lookup("llama").routed_experts
 
 

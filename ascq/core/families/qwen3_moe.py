@@ -63,4 +63,5 @@ QWEN3_MOE = ModelFamily(
     is_moe_layer=is_moe_layer,
     qk_norm=True,
     expert_block=expert_block,
+    gguf_architecture="qwen3moe",  # llama.cpp's name
 )
