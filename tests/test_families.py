@@ -36,6 +36,9 @@ TINY = dict(
     num_key_value_heads=2,
     rms_norm_eps=1e-6,
     max_position_embeddings=64,
+    num_experts=4,  # Qwen 3 MoE's
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
 )
 
 
@@ -85,6 +88,7 @@ def test_family_facts_read_from_the_rows():
     assert family_of({**TINY, "model_type": "llama"}).qkv_bias({}) is False
     assert lookup("gemma3_text").tie_word_embeddings({}) and not lookup("llama").tie_word_embeddings({})
     assert model_type_of_gguf("gemma3") == "gemma3_text" and model_type_of_gguf("llama") == "llama"
+    assert model_type_of_gguf("qwen3moe") == "qwen3_moe"  # llama.cpp's name
     assert lookup("deepseek").routed_experts and not lookup("llama").routed_experts
 
 

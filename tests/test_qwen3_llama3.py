@@ -1,8 +1,8 @@
-"""Qwen 3 (per-head q/k norms, no biases) and Llama 3.x (llama3 rope scaling) against transformers' own model
-classes: tiny random-weight checkpoints built from transformers' configs and written by `save_pretrained`
-(safetensors, tiny-llama's tokenizer), served by ascq in fp32, greedy tokens equal to transformers' over 8
-prompts x 32 tokens, one prompt longer than the original rope context; and `ascq convert` with the main
-recipes converts and serves them."""
+"""Qwen 3 (per-head q/k norms, no biases), Qwen 3 MoE and Llama 3.x (llama3 rope scaling) against
+transformers' own model classes: tiny random-weight checkpoints built from transformers' configs and written
+by `save_pretrained` (safetensors, tiny-llama's tokenizer), served by ascq in fp32, greedy tokens equal to
+transformers' over 8 prompts x 32 tokens, one prompt longer than the original rope context; and `ascq
+convert` with the main recipes converts and serves them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 import torch
 import transformers
 from engine_helpers import make_engine
+from native_support import needs_native
+from test_distributed import assert_same_tokens
 from test_runtime_models import run_greedy, text_prompts
 
 from ascq.paths import PROJECT_DIR
@@ -35,6 +37,17 @@ BASE = dict(
 )
 FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {  # layer 0 dense, layer 1 routed
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
     "llama3": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
@@ -54,7 +67,8 @@ FAMILIES = {
 
 def write_checkpoint(family: str, path: Path) -> Path:
     """A random-weight fp32 checkpoint of `family` with tiny-llama's tokenizer; Qwen 3's q/k norm weights
-    are drawn away from 1 so that a norm left out or misloaded changes the tokens."""
+    are drawn away from 1 so that a norm left out or misloaded changes the tokens, and MoE routers wide
+    enough that routing is no near-tie."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
     model = model_cls(config_cls(**BASE, **extra)).float().eval()
@@ -62,6 +76,9 @@ def write_checkpoint(family: str, path: Path) -> Path:
         for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
             if norm is not None:
                 torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
+        router = getattr(layer.mlp, "gate", None)
+        if router is not None:
+            torch.nn.init.normal_(router.weight, std=0.5)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TINY_LLAMA / name, path / name)
@@ -123,3 +140,27 @@ def test_main_recipes_convert_and_serve(checkpoint, converted_entry, recipe, eva
     prompts = prompts_for(engine.tokenizer, eval_text_path)[-2:]
     got = run_greedy(engine, prompts, 8)
     assert all(len(tokens) == 8 for tokens in got)
+
+
+@needs_native
+def test_qwen3_bf16_serves_eagerly_with_the_fused_decode_refused(checkpoint, monkeypatch):
+    """The C fused decode has no q/k norms: a bf16 Qwen 3 (MoE) model says so and decodes on its eager path;
+    the Llama 3.x checkpoint (rope scaling only changes the cos/sin tables it is handed) fuses."""
+    family, path = checkpoint
+    monkeypatch.setenv("ASCQ_FUSED_DECODE", "1")
+    engine = make_engine(path, dtype="bfloat16")
+    reason = engine.runner.fused_decode_reason
+    if family == "llama3":
+        assert engine.model.model.fused_decode is not None, reason
+        return
+    assert engine.model.model.fused_decode is None and "q/k norms" in reason
+    prompt = [3 + (5 * j) % 100 for j in range(12)]
+    assert len(run_greedy(engine, [prompt], 4)[0]) == 4
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gives_the_single_process_tokens(checkpoint):
+    """TP 2 (and TP 2 + expert parallelism for Qwen 3 MoE) over gloo: the single process's greedy tokens."""
+    family, path = checkpoint
+    parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": family == "qwen3-moe"}
+    assert_same_tokens(path, 4, 8, **parallel)

@@ -185,14 +185,18 @@ class LlamaArch(Architecture):
 
 
 class DeepseekMoEArch(Architecture):
+    """Every family on DeepSeek-MoE v1's routed-expert block (`ModelFamily.expert_block`): DeepSeek-MoE v1,
+    Qwen 3 MoE."""
+
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        self.ds_config = DeepseekConfig.from_dict(config)
+        self.ds_config: DeepseekConfig = self.family.expert_block(config)
 
     def new_layer(self, index: int) -> nn.Module:
         from ascq.reference.deepseek_moe import DeepseekDecoderLayer
 
-        return DeepseekDecoderLayer(self.ds_config, index)
+        qk_norm = RMSNorm if self.family.qk_norm else None
+        return DeepseekDecoderLayer(self.ds_config, index, self.is_moe_layer(index), qk_norm, self.config)
 
 
 class Gemma3Arch(Architecture):

@@ -1,6 +1,6 @@
 """`AWQModifier`: AWQ scale search + clip search per decoder layer, then (with a scheme) round-to-nearest.
 
-Balance groups: the architecture's mappings (`architectures.LLAMA_MAPPINGS`, `DEEPSEEK_MOE_MAPPINGS`), in
+Balance groups: the family's mappings (`families.base.LLAMA_MAPPINGS`, `families.deepseek.MOE_MAPPINGS`), in
 order (AutoAWQ's, with MoE handled as one group per norm); each group's scales are judged on its block's
 output:
 - input_layernorm -> q, k, v (judged on the attention output);

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,12 +108,24 @@ def attention_shape(config: DeepseekConfig) -> AttentionShape:
 
 
 class DeepseekDecoderLayer(DecoderLayer):
-    def __init__(self, config: DeepseekConfig, layer_idx: int) -> None:
-        if config.is_moe_layer(layer_idx):
+    """For the other families on this block (Qwen 3 MoE): `moe` (whether the layer has routed experts; None:
+    DeepSeek's rule), `qk_norm` (the per-head q/k norm class) and `rotary_config` (the config.json dict the
+    rotary settings are read from; None: `config`'s)."""
+
+    def __init__(
+        self,
+        config: DeepseekConfig,
+        layer_idx: int,
+        moe: bool | None = None,
+        qk_norm: type[RMSNorm] | None = None,
+        rotary_config: dict[str, Any] | None = None,
+    ) -> None:
+        if config.is_moe_layer(layer_idx) if moe is None else moe:
             mlp: nn.Module = DeepseekMoE(config)
         else:
             mlp = MLP(config.hidden_size, config.intermediate_size)
-        super().__init__(attention_shape(config), mlp, config.rms_norm_eps, rotary_for(config.to_hf_dict()))
+        rotary = rotary_for(rotary_config or config.to_hf_dict())
+        super().__init__(attention_shape(config), mlp, config.rms_norm_eps, rotary, qk_norm)
 
 
 class DeepseekModel(nn.Module):

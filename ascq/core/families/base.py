@@ -122,6 +122,9 @@ class ModelFamily:
     mappings: tuple[BalanceMapping, ...] = LLAMA_MAPPINGS  # SmoothQuant's / AWQ's, dense layers
     moe_mappings: tuple[BalanceMapping, ...] = ()  # those of MoE layers (`is_moe_layer`)
     is_moe_layer: Callable[[Config, int], bool] = no_moe_layers  # routed experts in this layer
+    # the sizes and router of the routed-expert block, as a `families.deepseek.DeepseekConfig` (DeepSeek-MoE
+    # v1's block serves every MoE family: softmax top-k router, experts, optional shared experts)
+    expert_block: Callable[[Config], Any] | None = None
     blocks: tuple[LayerBlock, ...] = DECODER_BLOCKS  # the layer's residual halves, in order
     qkv_bias_always: bool = False  # q/k/v biases whatever `attention_bias` says (Qwen 2)
     qk_norm: bool = False  # q and k RMS-normed per head before rotary (Qwen 3, Gemma 3)

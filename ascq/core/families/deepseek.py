@@ -110,12 +110,13 @@ class DeepseekConfig:
         }
 
 
-def layout(family: ModelFamily, config: dict[str, Any], index: int) -> NamedShapes:
-    """Attention, then a dense MLP or the MoE block (router, routed experts, shared experts), then norms."""
-    ds, hidden = DeepseekConfig.from_dict(config), int(config["hidden_size"])
+def routed_experts_layout(family: ModelFamily, config: dict[str, Any], index: int) -> NamedShapes:
+    """Attention, then a dense MLP or the MoE block (router, routed experts, shared experts) as the family's
+    `is_moe_layer` says, then norms: every family on this block."""
+    ds, hidden = family.expert_block(config), int(config["hidden_size"])
     norms = [("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,))]
     attention = attention_tensors(family, config)
-    if not ds.is_moe_layer(index):
+    if not family.is_moe_layer(config, index):
         return attention + mlp_tensors("mlp", hidden, ds.intermediate_size) + norms
     experts = [("mlp.gate.weight", (ds.n_routed_experts, hidden))]
     for e in range(ds.n_routed_experts):
@@ -149,7 +150,8 @@ DEEPSEEK = ModelFamily(
     converter="ascq.quantize.architectures:DeepseekMoEArch",
     serving_model="ascq.runtime.models.deepseek:DeepseekForCausalLM",
     check_config=check_config,
-    layout=layout,
+    layout=routed_experts_layout,
     moe_mappings=MOE_MAPPINGS,
     is_moe_layer=is_moe_layer,
+    expert_block=DeepseekConfig.from_dict,
 )

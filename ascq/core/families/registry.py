@@ -17,9 +17,10 @@ FAMILY_ROWS: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "ascq.core.families.llama:LLAMA"),
     "mistral": ("MistralForCausalLM", "ascq.core.families.llama:MISTRAL"),
     "qwen2": ("Qwen2ForCausalLM", "ascq.core.families.qwen2:QWEN2"),
-    "qwen3": ("Qwen3ForCausalLM", "ascq.core.families.qwen3:QWEN3"),
     "deepseek": ("DeepseekForCausalLM", "ascq.core.families.deepseek:DEEPSEEK"),
     "gemma3_text": ("Gemma3ForCausalLM", "ascq.core.families.gemma3:GEMMA3_FAMILY"),
+    "qwen3": ("Qwen3ForCausalLM", "ascq.core.families.qwen3:QWEN3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "ascq.core.families.qwen3_moe:QWEN3_MOE"),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILY_ROWS)
 SUPPORTED_ARCHITECTURES = tuple(architecture for architecture, _ in FAMILY_ROWS.values())

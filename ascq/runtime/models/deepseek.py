@@ -1,4 +1,6 @@
-"""DeepSeek-MoE v1 (`model_type: deepseek`): Llama attention, dense first layers, routed + shared experts.
+"""DeepSeek-MoE v1 (`model_type: deepseek`): Llama attention, dense first layers, routed + shared experts;
+and every family on its routed-expert block (`ModelFamily.expert_block`: Qwen 3 MoE, with q/k norms and no
+shared experts).
 
 The router is a softmax over all experts followed by top-k; weights are renormalized only when norm_topk_prob.
 """
@@ -11,8 +13,10 @@ import torch
 from torch import nn
 
 from ascq.core.families.deepseek import DeepseekConfig
+from ascq.core.families.registry import family_of
 from ascq.runtime.layers.linear import ReplicatedLinear
 from ascq.runtime.layers.moe import FusedMoE
+from ascq.runtime.layers.rmsnorm import RMSNorm
 from ascq.runtime.models.llama import CausalLM, DecoderLayer, LlamaMLP
 
 
@@ -40,7 +44,9 @@ class DeepseekMoEBlock(nn.Module):
 
 class DeepseekForCausalLM(CausalLM):
     def __init__(self, config: dict[str, Any]) -> None:
-        parsed = DeepseekConfig.from_dict(config)
+        family = family_of(config)
+        parsed: DeepseekConfig = family.expert_block(config)
+        qk_norm = RMSNorm if family.qk_norm else None
         config = {
             **config,
             "num_key_value_heads": parsed.num_key_value_heads,
@@ -48,10 +54,10 @@ class DeepseekForCausalLM(CausalLM):
         }
 
         def make_layer(i: int) -> nn.Module:
-            if parsed.is_moe_layer(i):
+            if family.is_moe_layer(config, i):
                 mlp = DeepseekMoEBlock(parsed)
             else:
                 mlp = LlamaMLP(parsed.hidden_size, parsed.intermediate_size)
-            return DecoderLayer(config, mlp, qkv_bias=parsed.attention_bias)
+            return DecoderLayer(config, mlp, parsed.attention_bias, qk_norm)
 
         super().__init__(config, make_layer)
