@@ -7,7 +7,9 @@ tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,11 +21,13 @@ from test_runtime_loader import prefill_logits
 from ascq.core.errors import AscqError, UnsupportedError
 from ascq.evaluate import eval_windows, load_eval_token_ids
 from ascq.formats.manifest import read_manifest
+from ascq.paths import EVAL_TEXT
 from ascq.quantize.convert import ConvertOptions, convert
 from ascq.quantize.mixed import Unit, _hull, allocate
 from ascq.quantize.recipe import load_recipe, parse_recipe
 from ascq.quantize.reference_forward import reference_logits
 from ascq.zoo.card import quantized_weight_bits, render_card
+from ascq.zoo.verify import verify_entry
 
 
 def _unit(name: str, params: int, *options: tuple[str, int, float]) -> Unit:
@@ -105,7 +109,7 @@ def _mixed_recipe(tmp_path: Path, candidates: list[str], bits: float) -> Path:
 MIXES = [(["int8", "int4-g128"], 5.5), (["int4-g32", "int4-g64"], 4.45)]
 
 
-@pytest.mark.parametrize(("candidates", "bits"), MIXES)
+@pytest.mark.parametrize(("candidates", "bits"), MIXES, ids=["int8+g128", "g32+g64"])
 def test_mixed_entry_meets_budget_and_every_backend_serves_it(
     candidates: list[str], bits: float, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -126,8 +130,8 @@ def test_mixed_entry_meets_budget_and_every_backend_serves_it(
     assert record["bits_per_weight"] == pytest.approx(stored_bits / params, abs=1e-4)
     assert stored_bits / params <= bits
     qc = json.loads((entry / "config.json").read_text())["quantization_config"]
-    assert qc["format"] == "pack-quantized" and len(qc["config_groups"]) == 2
-    targets = [t for g in qc["config_groups"].values() for t in g["targets"]]
+    assert qc["format"] == "pack-quantized" and len(qc["config_groups"]) == 3  # + the recipe's int8 lm_head
+    targets = [t for g in qc["config_groups"].values() for t in g["targets"] if t != "lm_head"]
     assert sorted(targets) == sorted(record["choice"])  # explicit names, each linear once
     for layer in range(4):  # linears that read one input share one scheme (fused in vLLM and ascq)
         q = f"model.layers.{layer}.self_attn."
@@ -172,3 +176,62 @@ def test_bits_per_weight_flag_overrides_and_rejects(tiny_llama_dir: Path, tmp_pa
         run("awq-int4", 4.1)
     record = read_manifest(run("awq-int4", 4.3))["conversion"]["mixed_precision"]
     assert record["target_bits_per_weight"] == 4.3 and record["bits_per_weight"] <= 4.3
+
+
+def _tied_copy(base: Path, out: Path) -> Path:
+    """tiny-llama with tied embeddings (its lm_head dropped, the embedding serving as the head)."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for file in base.iterdir():
+        if file.name not in ("model.safetensors", "config.json"):
+            shutil.copy2(file, out / file.name)
+    state = load_file(base / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((base / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return out
+
+
+def test_tied_head_is_written_as_an_untied_int8_copy(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """int4-mixed's `lm_head: int8` on a tied model: the embedding stays as it was, the head is an untied
+    int8 per-row copy that transformers reads and ascq serves (the reference backend bit for bit the
+    converter's own forward); the card says who reads it."""
+    from safetensors import safe_open
+
+    base = _tied_copy(tiny_llama_dir, tmp_path / "tied")
+    eval_text = tmp_path / "eval.txt"
+    eval_text.write_text(EVAL_TEXT.read_text()[:6000])
+    options = ConvertOptions(
+        str(base), ["int4-mixed"], out=tmp_path / "entry", num_samples=2, seq_len=32, eval_text=eval_text
+    )
+    entry = convert(dataclasses.replace(options, progress=False))
+    config = json.loads((entry / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    qc = config["quantization_config"]
+    assert "lm_head" not in qc["ignore"]
+    [head_group] = [g for g in qc["config_groups"].values() if g["targets"] == ["lm_head"]]
+    assert (head_group["weights"]["num_bits"], head_group["weights"]["strategy"]) == (8, "channel")
+    with safe_open(entry / "model.safetensors", "pt") as f, safe_open(base / "model.safetensors", "pt") as b:
+        assert torch.equal(
+            f.get_tensor("model.embed_tokens.weight"), b.get_tensor("model.embed_tokens.weight")
+        )
+        assert "lm_head.weight_scale" in set(f.keys())
+    manifest = read_manifest(entry)
+    assert manifest["conversion"]["lm_head"]["untied_from_embedding"] is True
+    # measured with the dequantized head
+    metrics = manifest["metrics"]
+    assert metrics["perplexity"] < 1.2 * metrics["perplexity_base"]
+    assert "ascq and transformers only" in render_card(entry)
+    verify_entry(entry)
+
+    windows = eval_windows(load_eval_token_ids(tiny_llama_dir), 64)[:2]
+    converter = reference_logits(entry, windows)
+    reference = make_engine(entry, device="reference", dtype="float32")
+    cpu = make_engine(entry, device="cpu", dtype="float32")
+    for window, expected in zip(windows, converter, strict=True):
+        assert torch.equal(prefill_logits(reference, window.tolist()), expected)
+        served = prefill_logits(cpu, window.tolist())
+        torch.testing.assert_close(served, expected, rtol=1e-3, atol=2e-3 * expected.abs().max().item())
+    assert_transformers_greedy_equals_runtime(entry, _prompts(4, 4096), 16)

@@ -221,7 +221,10 @@ def _convert(options: ConvertOptions) -> Path:
         if options.format == "msmodelslim":
             writer.write_config(staging, arch.config)
         else:
-            write_config(staging, arch.config, result.qconfig)
+            # a quantized head of a tied model is written as its own (untied) lm_head
+            untie = (result.lm_head or {}).get("untied_from_embedding")
+            untied = {"tie_word_embeddings": False} if untie else {}
+            write_config(staging, {**arch.config, **untied}, result.qconfig)
         for file in COPIED_FILES:
             if (model_dir / file).is_file():
                 shutil.copy2(model_dir / file, staging / file)
@@ -307,6 +310,7 @@ def build_manifest(
             "modifiers": [{"name": m.name, **m.summary()} for m in recipe.modifiers],
             "layers": result.layers,
             **({"mixed_precision": result.mixed.record()} if result.mixed is not None else {}),
+            **({"lm_head": result.lm_head} if result.lm_head is not None else {}),
             "compressed_tensors_version": compressed_tensors.__version__,
             "transformers_version": transformers.__version__,
         },
@@ -370,6 +374,16 @@ def format_summary(entry: Path) -> str:
         delta = 100 * (metrics["perplexity"] / metrics["perplexity_base"] - 1)
         lines.append(
             f"perplexity {metrics['perplexity_base']:.3f} -> {metrics['perplexity']:.3f} ({delta:+.2f}%)"
+        )
+    if mixed := conv.get("mixed_precision"):
+        counts = ", ".join(f"{n} x {c}" for c, n in mixed["num_linears"].items())
+        lines.append(
+            f"mixed precision: {mixed['bits_per_weight']:.3f} bits per weight "
+            f"(budget {mixed['target_bits_per_weight']}): {counts}"
+        )
+    if head := conv.get("lm_head"):
+        lines.append(
+            f"LM head: {head['scheme']}" + (" (untied copy)" if head["untied_from_embedding"] else "")
         )
     lines += [group_size_fit_text(fit) for fit in conv.get("group_size_fits", []) if fit["group_size"]]
     if conv["group_size_fallbacks"]:

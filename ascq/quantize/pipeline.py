@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from compressed_tensors.quantization import QuantizationConfig
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from torch import nn
 from tqdm import tqdm
 
+from ascq.core import qmath
 from ascq.core.errors import AscqError
 from ascq.core.heap import trim_heap
 from ascq.core.qmath import linear_group_size
@@ -30,11 +31,13 @@ from ascq.evaluate import eval_windows, perplexity
 from ascq.formats.safetensors import CheckpointReader
 from ascq.kernels import cpu
 from ascq.platforms import platform_for
+from ascq.quantize import observer
 from ascq.quantize.architectures import Architecture, LayerBlock
 from ascq.quantize.ct_writer import ShardWriter, quantization_config
 from ascq.quantize.layer_context import LayerContext
 from ascq.quantize.layout import decoder_linears
 from ascq.quantize.mixed import MixedPlan, build_units, mixed_config_groups, plan_from_units
+from ascq.quantize.modifier import QuantizedLinear
 from ascq.quantize.recipe import ComposedRecipe
 from ascq.quantize.reference_forward import fp8_kv_hook, install_quantized, shared_result
 from ascq.quantize.schemes import (
@@ -62,6 +65,7 @@ class StreamResult:
     perplexity_base: float | None = None
     perplexity: float | None = None
     mixed: MixedPlan | None = None  # the bits budget's allocation (`mixed`), if the recipe has one
+    lm_head: dict[str, Any] | None = None  # how the LM head was quantized (None: kept as the source's)
 
 
 def return_freed_memory_to_os() -> None:
@@ -477,18 +481,47 @@ def stream_convert(
     return result
 
 
+def quantized_head(
+    head: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype
+) -> tuple[QuantizedLinear, torch.Tensor]:
+    """The LM head rounded to nearest on `args` (int8 per output channel: each vocabulary row its own
+    scale), and its dequantized fp32 weight."""
+    q, scale, zero_point = observer.quantize_weight(head.float(), args, scale_dtype)
+    return QuantizedLinear(q, scale, zero_point), qmath.dequantize_weight(q, scale, zero_point, args).float()
+
+
 def _finish(job: LayerJob, state: StreamState, windows: torch.Tensor | None) -> StreamResult:
-    """Write the final norm and the head, close the writer, and measure perplexity before/after."""
+    """Write the final norm and the head (quantized as `RecipeScheme.lm_head` says: a tied embedding's is
+    written as an untied `lm_head`, since transformers' compressed-tensors loader does not decompress a
+    quantized `Embedding`), close the writer, and measure perplexity before/after."""
     reader = job.reader
     norm = reader.get("model.norm.weight")
     job.writer.add("model.norm.weight", norm)
     head_name = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
-    if "lm_head.weight" in reader:
-        job.writer.add("lm_head.weight", reader.get("lm_head.weight"))
-    ignored = ["lm_head", "model.embed_tokens", *state.ignored]  # tied or not (schemes.ALWAYS_IGNORE)
+    head_owner = next((s for s in job.schemes if s.lm_head is not None), None)
+    head = reader.get(head_name)
+    quantized = dict(state.fallback_targets)
+    head_record = None
+    if head_owner is not None:
+        target = LinearTarget(head_owner.lm_head, None, head_owner)
+        ql, head = quantized_head(head, head_owner.lm_head, job.scale_dtype)
+        job.writer.add_linear("lm_head", target, ql, None)
+        quantized["lm_head"] = target
+        head_record = {
+            "scheme": "int8 per output channel, symmetric, round-to-nearest",
+            "untied_from_embedding": head_name != "lm_head.weight",
+        }
+    elif "lm_head.weight" in reader:
+        job.writer.add("lm_head.weight", head)
+    ignored = [  # tied or not (schemes.ALWAYS_IGNORE)
+        *(["lm_head"] if head_owner is None else []),
+        "model.embed_tokens",
+        *state.ignored,
+    ]
     job.writer.finish()
     result = StreamResult(
-        qconfig=quantization_config(job.schemes, state.fallback_targets, ignored),
+        qconfig=quantization_config(job.schemes, quantized, ignored),
+        lm_head=head_record,
         scheme="+".join(sorted(state.names_seen)) or "dense",
         fallbacks=state.fallbacks,
         group_size_fits=job.group_size_fits,
@@ -496,9 +529,9 @@ def _finish(job: LayerJob, state: StreamState, windows: torch.Tensor | None) -> 
         num_quantized_linears=state.num_quantized,
     )
     if windows is not None:
-        head = reader.get(head_name).float().to(job.device)
-        result.perplexity_base = _perplexity(state.eval_fp, windows, norm, head, job.arch)
-        result.perplexity = _perplexity(state.eval_q, windows, norm, head, job.arch)
+        base_head = reader.get(head_name).float().to(job.device)
+        result.perplexity_base = _perplexity(state.eval_fp, windows, norm, base_head, job.arch)
+        result.perplexity = _perplexity(state.eval_q, windows, norm, head.float().to(job.device), job.arch)
     return result
 
 

@@ -237,9 +237,18 @@ def reference_logits(entry_dir: str | Path, input_ids: torch.Tensor, device: str
         hidden = arch.forward_layer(layer, hidden, position_ids, kv_hook=kv_hook)
         del layer
     hidden = arch.final_norm(hidden, reader.get("model.norm.weight").float().to(device))
-    head = (
-        "model.embed_tokens.weight"
-        if arch.tie_word_embeddings and "lm_head.weight" not in reader
-        else "lm_head.weight"
-    )
-    return hidden @ reader.get(head).float().to(device).T
+    return hidden @ _head(ckpt).to(device).T
+
+
+def _head(ckpt: QuantizedCheckpoint) -> torch.Tensor:
+    """The LM head's fp32 weight: dequantized when the checkpoint quantizes it (`lm_head` in a config
+    group), else the stored lm_head or the tied embedding."""
+    reader = ckpt.reader
+    if "lm_head.weight_scale" in reader:
+        scheme = ct.match_scheme("lm_head", ckpt.qconfig.config_groups.values(), [])
+        if scheme is None:
+            raise AscqError(f"{ckpt.entry_dir}: lm_head is stored quantized but no config group targets it")
+        ql = ct.quantized_linear(reader.get_prefix("lm_head."), scheme.weights.num_bits)
+        return qmath.dequantize_weight(ql.q, ql.scale, ql.zero_point, scheme.weights).float()
+    tied = ckpt.arch.tie_word_embeddings and "lm_head.weight" not in reader
+    return reader.get("model.embed_tokens.weight" if tied else "lm_head.weight").float()

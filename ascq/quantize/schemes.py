@@ -40,7 +40,12 @@ SOURCE_GRID = ("auto", "float")
 # the modifier arguments of a bits budget (`ascq.quantize.mixed`): mean stored bits per weight over the
 # linears of the modifier's one int4 group scheme, and the schemes a linear may get (default: every one of
 # mixed.CANDIDATES)
-BUDGET_ARGS = {"bits_per_weight": (float, int), "mixed_schemes": list}
+# `lm_head: int8`: the LM head quantized int8 per output channel, symmetric (an untied copy when the embedding
+# is tied: `pipeline.quantized_head`)
+BUDGET_ARGS = {"bits_per_weight": (float, int), "mixed_schemes": list, "lm_head": str}
+LM_HEAD_SCHEMES = {
+    "int8": QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"),
+}
 ZP_DTYPES = {
     "auto": None,
     "float": None,
@@ -66,6 +71,7 @@ class RecipeScheme:
     # a bits budget: the pipeline replaces the one config group by one group per chosen scheme
     # (`mixed.mixed_config_groups`) before the layer loop
     budget: BitsBudget | None = None
+    lm_head: QuantizationArgs | None = None  # the LM head's weights (`LM_HEAD_SCHEMES`); None: kept
 
     def set_budget(self, budget: BitsBudget) -> None:
         """Vary this scheme's one config group (weight-only int4 per group) under `budget`."""
@@ -256,6 +262,13 @@ def parse_recipe_scheme(owner: str, args: dict[str, Any]) -> RecipeScheme | None
         scheme.set_budget(check_budget(owner, args["bits_per_weight"], args.get("mixed_schemes")))
     elif args.get("mixed_schemes") is not None:
         raise RecipeError(f"{owner}: mixed_schemes needs bits_per_weight")
+    if args.get("lm_head") is not None:
+        if args["lm_head"] not in LM_HEAD_SCHEMES or not groups:
+            raise UnsupportedError(
+                f"{owner}: lm_head {args['lm_head']!r}: use one of {', '.join(LM_HEAD_SCHEMES)} beside a "
+                "weight scheme"
+            )
+        scheme.lm_head = LM_HEAD_SCHEMES[args["lm_head"]]
     return scheme
 
 

@@ -30,6 +30,9 @@ LOADERS = {  # who reads each compressed-tensors format
     "int-quantized": ", read by vLLM, transformers and ascq",
     "naive-quantized": ", transformers and ascq only (vLLM's int4 kernels need pack-quantized)",
 }
+# a quantized LM head: vLLM's compressed-tensors path quantizes linear, attention and MoE layers, not its
+# LM head
+HEAD_LOADERS = ", ascq and transformers only (vLLM's compressed-tensors path does not quantize an LM head)"
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 SCHEME_TEXT = {
     "dense": "unquantized weights",
@@ -151,15 +154,16 @@ def _base_link(base: str | None) -> str:
 
 
 def quantized_weight_bits(entry_dir: Path) -> tuple[int, int]:
-    """(stored bits of the quantized linears' weights + scales + zero points, their parameter count) over the
-    entry's safetensors files; (0, 0) for an entry without quantized linears."""
+    """(stored bits of the quantized decoder linears' weights + scales + zero points, their parameter count)
+    over the entry's safetensors files, a quantized LM head left out; (0, 0) for an entry without quantized
+    linears."""
     if not any(Path(entry_dir).glob("*.safetensors")):
         return 0, 0
     reader = CheckpointReader(Path(entry_dir))  # headers checked against their files (an untrusted entry)
     bits = params = 0
     for name in reader:
         module, _, local = name.rpartition(".")
-        if local != "weight_scale":
+        if local != "weight_scale" or module == "lm_head":  # the head is stated on its own
             continue
         for part in BITS_COUNTED:
             if f"{module}.{part}" in reader:
@@ -347,6 +351,15 @@ def _format_text(manifest: dict[str, Any], config: dict[str, Any]) -> str:
         for fit in (manifest.get("conversion") or {}).get("group_size_fits", [])
     )
     loaders = LOADERS.get(qc.get("format"), "")
+    head = (manifest.get("conversion") or {}).get("lm_head")
+    if head:
+        untied = (
+            " (an untied copy of the tied embedding, which stays unquantized)"
+            if head.get("untied_from_embedding")
+            else ""
+        )
+        groups.append(f"LM head {head['scheme']}{untied}")
+        loaders = HEAD_LOADERS
     described = f"compressed-tensors `{qc.get('format')}` ({'; '.join(groups)}){loaders}"
     return f"{described}; not quantized: {ignore}{fits}"
 

@@ -36,6 +36,25 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     int8: native.PackedWeights | None = None  # opt-in int8 copy
+    # a checkpoint's int8 per-row head (compressed-tensors, symmetric): its scales until `finalize`
+    weight_scale: torch.Tensor | None = None
+
+    def weight_loader(self, param_name: str, tensor: torch.Tensor) -> None:
+        if param_name == "weight_scale":
+            self.weight_scale = tensor.reshape(-1, 1).narrow(0, self.vocab_start, self.shard_size)
+            return
+        super().weight_loader(param_name, tensor)
+
+    def finalize(self, backend, dtype: torch.dtype) -> None:
+        """A quantized checkpoint head: the weight becomes its dequantized values (the embedding's path and
+        large batches), and on the cpu backend the int8 values also run as `quantize_int8`'s copy."""
+        if self.weight_scale is None:
+            return
+        q, scale = self.weight.data.to(torch.int8), self.weight_scale.float()
+        self.weight = nn.Parameter(q.float() * scale, requires_grad=False)
+        self.weight_scale = None
+        if backend is cpu and cpu.native_per_channel_group_size(q.shape[1], 8) and native.load() is not None:
+            self._pack_int8(q.contiguous(), scale)
 
     def quantize_int8(self) -> None:
         """Opt-in, and it changes the logits: keep an int8 per-row symmetric copy of the head (half the bytes
@@ -46,9 +65,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         q = torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous()
         k = w.shape[1]
-        group = cpu.native_per_channel_group_size(k, 8)
-        if group is None or native.load() is None:
+        if cpu.native_per_channel_group_size(k, 8) is None or native.load() is None:
             raise ValueError(f"int8 LM head needs the native kernels and hidden size % 32 == 0 (got {k})")
+        self._pack_int8(q, scale)
+
+    def _pack_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        k = q.shape[1]
+        group = cpu.native_per_channel_group_size(k, 8)
         self.int8 = native.pack(q, 8, scale.repeat_interleave(k // group, 1), None, group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
