@@ -130,12 +130,25 @@ class AnswerScorer:
     max_tokens: int
     llama_server: Path
     threads: int
+    fp_answers: Path | None = None  # FP's answers kept for other processes of the same run (--fp-answers)
     reference: set[str] | None = None  # the questions FP answers correctly, set by the first `fp` call
 
     def fp(self, row: Row, source: Path) -> Row:
-        self.reference = answers.correct_ids(
-            self.questions, answers.ascq_answers(source, self.prompts, self.max_tokens)
-        )
+        """FP's answers: read from `fp_answers` when that file exists and was written for the same source,
+        prompts and answer length, else generated (and written there)."""
+        key = {"source": str(source.resolve()), "prompts": self.prompts, "max_tokens": self.max_tokens}
+        if self.fp_answers and self.fp_answers.exists():
+            saved = json.loads(self.fp_answers.read_text())
+            if {k: saved.get(k) for k in key} != key:
+                sys.exit(
+                    f"--fp-answers {self.fp_answers} was written for another source, question set or length"
+                )
+            texts = saved["answers"]
+        else:
+            texts = answers.ascq_answers(source, self.prompts, self.max_tokens)
+            if self.fp_answers:
+                self.fp_answers.write_text(json.dumps({**key, "answers": texts}))
+        self.reference = answers.correct_ids(self.questions, texts)
         return self._fill(row, self.reference)
 
     def ascq(self, row: Row, entry: Path) -> Row:
@@ -414,6 +427,11 @@ def main() -> None:
     )
     parser.add_argument("--no-answers", action="store_true", help="perplexity only (no answer retention)")
     parser.add_argument(
+        "--fp-answers",
+        help="JSON file of FP's answers: read when it exists (same source, questions, length), else written; "
+        "lets processes of one run (--only ...) share them",
+    )
+    parser.add_argument(
         "--llmc-python", default=str(llmc.LLMC_PYTHON), help="python of llm-compressor's venv"
     )
     parser.add_argument("--gguf-python", help="python for convert_hf_to_gguf.py (default: --llmc-python)")
@@ -491,7 +509,10 @@ def main() -> None:
     if not args.no_answers:
         prompts = answers.chat_prompt_ids(tokenizer, questions)
         server = Path(args.llama_cpp) / "build" / "bin" / "llama-server"
-        args.answer_scorer = AnswerScorer(questions, prompts, args.answer_tokens, server, args.threads)
+        fp_answers = Path(args.fp_answers) if args.fp_answers else None
+        args.answer_scorer = AnswerScorer(
+            questions, prompts, args.answer_tokens, server, args.threads, fp_answers
+        )
     # FP is answered by the bf16 source as users serve it (its perplexity is the fp32 copy's)
     rows = []
     if "fp" in kinds or args.answer_scorer:
