@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -95,11 +96,14 @@ class Row:
 
 BOS: int | None = None  # --bos: the id put before every window
 SCORE_BATCH = 8  # --score-batch: windows per forward
+SKIP_PERPLEXITY = False  # --no-perplexity: answers and sizes only
 
 
 def hf_perplexity(path: Path, ids: torch.Tensor, window: int, gguf_file: str | None = None) -> float:
     """transformers fp32 perplexity of a checkpoint folder (or of `gguf_file` in it, dequantized); with
-    `BOS` set every window is read after that token (its logits are dropped)."""
+    `BOS` set every window is read after that token (its logits are dropped); NaN under --no-perplexity."""
+    if SKIP_PERPLEXITY:
+        return float("nan")
     from transformers import AutoModelForCausalLM
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
@@ -130,12 +134,25 @@ class AnswerScorer:
     max_tokens: int
     llama_server: Path
     threads: int
+    fp_answers: Path | None = None  # FP's answers kept for other processes of the same run (--fp-answers)
     reference: set[str] | None = None  # the questions FP answers correctly, set by the first `fp` call
 
     def fp(self, row: Row, source: Path) -> Row:
-        self.reference = answers.correct_ids(
-            self.questions, answers.ascq_answers(source, self.prompts, self.max_tokens)
-        )
+        """FP's answers: read from `fp_answers` when that file exists and was written for the same source,
+        prompts and answer length, else generated (and written there)."""
+        key = {"source": str(source.resolve()), "prompts": self.prompts, "max_tokens": self.max_tokens}
+        if self.fp_answers and self.fp_answers.exists():
+            saved = json.loads(self.fp_answers.read_text())
+            if {k: saved.get(k) for k in key} != key:
+                sys.exit(
+                    f"--fp-answers {self.fp_answers} was written for another source, question set or length"
+                )
+            texts = saved["answers"]
+        else:
+            texts = answers.ascq_answers(source, self.prompts, self.max_tokens)
+            if self.fp_answers:
+                self.fp_answers.write_text(json.dumps({**key, "answers": texts}))
+        self.reference = answers.correct_ids(self.questions, texts)
         return self._fill(row, self.reference)
 
     def ascq(self, row: Row, entry: Path) -> Row:
@@ -282,16 +299,17 @@ def gguf_rows(source: Path, work: Path, args: argparse.Namespace, ids: torch.Ten
     start = time.perf_counter()
     export = [str(args.gguf_python), str(tree / "convert_hf_to_gguf.py"), str(source)]
     subprocess.run([*export, "--outtype", "f32", "--outfile", str(f32)], check=True, capture_output=True)
-    rows = [gguf_row("GGUF F32 (read-back check)", f32, time.perf_counter() - start, args, ids)]
+    seconds = time.perf_counter() - start
+    rows = [] if args.no_read_back else [gguf_row("GGUF F32 (read-back check)", f32, seconds, args, ids)]
     variants = [("", []), (", embedding F32", ["--token-embedding-type", "f32"])]
     if args.gguf_embedding != "both":
         variants = [variants[args.gguf_embedding == "f32"]]
-    runs = [(t, label, flags) for t in GGUF_TYPES for label, flags in variants]
-    if IMATRIX_TYPES:
+    runs = [(t, label, flags) for t in args.gguf_types for label, flags in variants]
+    if args.imatrix_types:
         start = time.perf_counter()
         imatrix = llama_imatrix(f32, work / "calib.txt", args)
         print(f"llama-imatrix: {time.perf_counter() - start:.1f} s", flush=True)
-        runs += [(t, ", imatrix", ["--imatrix", str(imatrix)]) for t in IMATRIX_TYPES]
+        runs += [(t, ", imatrix", ["--imatrix", str(imatrix)]) for t in args.imatrix_types]
     for quant_type, label, flags in runs:
         suffix = "-embf32" if "--token-embedding-type" in flags else "-imatrix" if flags else ""
         out = f32.parent / f"model-{quant_type}{suffix}.gguf"
@@ -356,14 +374,21 @@ def issue44_lines(rows: list[Row]) -> list[str]:
     k_quant, k_imatrix = by_name.get("llama.cpp Q4_K_M"), by_name.get("llama.cpp Q4_K_M, imatrix")
     lines = []
     for row in (r for r in rows if r.name.startswith("ascq ")):
-        if k_quant and k_quant.mib and row.mib and row.mib <= k_quant.mib:
-            anchors = [a for a in (k_quant, k_imatrix) if a is not None]
+        anchors = [a for a in (k_quant, k_imatrix) if a is not None and not math.isnan(a.ppl)]
+        if (
+            k_quant
+            and k_quant.mib
+            and row.mib
+            and row.mib <= k_quant.mib
+            and anchors
+            and not math.isnan(row.ppl)
+        ):
             verdict = "PASS" if all(row.ppl <= a.ppl for a in anchors) else "FAIL"
             lines.append(
                 f"{verdict} {row.name} ({row.mib:.1f} MiB <= Q4_K_M's {k_quant.mib:.1f}) perplexity "
                 f"{row.ppl:.3f} <= {' and '.join(f'{a.name} {a.ppl:.3f}' for a in anchors)}"
             )
-        if fp and row.bits is not None and row.bits <= 4.6:
+        if fp and row.bits is not None and row.bits <= 4.6 and not math.isnan(row.ppl + fp.ppl):
             verdict = "PASS" if row.ppl <= 1.08 * fp.ppl else "FAIL"
             lines.append(
                 f"{verdict} {row.name} at {row.bits:.3f} bits: perplexity {row.ppl:.3f} <= 1.08 x FP "
@@ -394,6 +419,14 @@ def print_table(rows: list[Row], num_questions: int | None = None) -> None:
         )
 
 
+def quant_types(value: str) -> tuple[str, ...]:
+    """A comma-separated list of llama-quantize type names (checked by llama-quantize itself)."""
+    types = tuple(t.strip() for t in value.split(",") if t.strip())
+    if not all(re.fullmatch(r"[A-Za-z0-9_]+", t) for t in types):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a comma-separated list of llama-quantize types")
+    return types
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="source checkpoint folder (FP)")
@@ -413,6 +446,12 @@ def main() -> None:
         "--answer-tokens", type=int, default=answers.MAX_TOKENS, help="greedy tokens per answer"
     )
     parser.add_argument("--no-answers", action="store_true", help="perplexity only (no answer retention)")
+    parser.add_argument("--no-perplexity", action="store_true", help="answer retention and sizes only")
+    parser.add_argument(
+        "--fp-answers",
+        help="JSON file of FP's answers: read when it exists (same source, questions, length), else written; "
+        "lets processes of one run (--only ...) share them",
+    )
     parser.add_argument(
         "--llmc-python", default=str(llmc.LLMC_PYTHON), help="python of llm-compressor's venv"
     )
@@ -445,11 +484,27 @@ def main() -> None:
     parser.add_argument(
         "--score-batch", type=int, default=8, help="windows per scoring forward (1 for a large vocabulary)"
     )
+    parser.add_argument(
+        "--gguf-types",
+        type=quant_types,
+        default=GGUF_TYPES,
+        help=f"llama-quantize types (default {','.join(GGUF_TYPES)})",
+    )
+    parser.add_argument(
+        "--imatrix-types",
+        type=quant_types,
+        default=IMATRIX_TYPES,
+        help=f"types also quantized with llama-imatrix (default {','.join(IMATRIX_TYPES)}; '' for none)",
+    )
+    parser.add_argument(
+        "--no-read-back", action="store_true", help="skip the F32 GGUF row (it reproduces FP's perplexity)"
+    )
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="print the rows of --json files together")
     args = parser.parse_args()
     if args.merge:
         rows = [Row(**r) for path in args.merge for r in json.loads(Path(path).read_text())["rows"]]
-        print_table(sorted(rows, key=lambda r: not r.name.startswith("FP")))  # the FP row first
+        num_questions = len(answers.load_questions(Path(args.questions)))
+        print_table(sorted(rows, key=lambda r: not r.name.startswith("FP")), num_questions)  # FP first
         print("\n" + "\n".join(bound_lines({row.name: row for row in rows}) + issue44_lines(rows)))
         return
     kinds = set(args.only or ROW_KINDS)
@@ -476,8 +531,8 @@ def main() -> None:
     from ascq.quantize.calibration import load_calibration
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    global BOS, SCORE_BATCH
-    SCORE_BATCH = args.score_batch
+    global BOS, SCORE_BATCH, SKIP_PERPLEXITY
+    SCORE_BATCH, SKIP_PERPLEXITY = args.score_batch, args.no_perplexity
     if args.bos:
         BOS = tokenizer.bos_token_id
     calib = load_calibration(None, tokenizer, args.num_samples, args.seq_len)
@@ -491,7 +546,10 @@ def main() -> None:
     if not args.no_answers:
         prompts = answers.chat_prompt_ids(tokenizer, questions)
         server = Path(args.llama_cpp) / "build" / "bin" / "llama-server"
-        args.answer_scorer = AnswerScorer(questions, prompts, args.answer_tokens, server, args.threads)
+        fp_answers = Path(args.fp_answers) if args.fp_answers else None
+        args.answer_scorer = AnswerScorer(
+            questions, prompts, args.answer_tokens, server, args.threads, fp_answers
+        )
     # FP is answered by the bf16 source as users serve it (its perplexity is the fp32 copy's)
     rows = []
     if "fp" in kinds or args.answer_scorer:
