@@ -113,6 +113,9 @@ class OpenAIServing:
         self.engine = engine
         self.enable_auto_tool_choice = bool(tool_options and tool_options.enable_auto_tool_choice)
         self.limits = limits or RequestLimits.for_model(max_model_len, longest_token_chars(tokenizer))
+        # worker threads share the tokenizer (reads only); transformers' first encode clears a truncation or
+        # padding the tokenizer file sets, a write that must not race them, so it happens here
+        tokenizer.encode("")
         self.tokenizer = tokenizer
         self.prompter = prompter
         # every name clients may use (vLLM's --served-model-name a b); responses carry the first
@@ -186,9 +189,12 @@ class OpenAIServing:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self._check_model(body.model)
-        if not all(0 <= t < self.vocab_size for t in body.tokens):
+        return {"prompt": await asyncio.to_thread(self._decode_tokens, body.tokens)}
+
+    def _decode_tokens(self, tokens: list[int]) -> str:
+        if not all(0 <= t < self.vocab_size for t in tokens):
             raise APIError(400, f"tokens has token ids outside [0, {self.vocab_size})", param="tokens")
-        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
+        return self.tokenizer.decode(tokens)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
