@@ -59,6 +59,7 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "--served-model-name",
         "tiny",
         api_key=API_KEY,
+        startup_timeout_s=300,  # the shared test machine can be slow to start it
     )
     children = psutil.Process(process.pid).children(recursive=True)
     try:
@@ -212,16 +213,26 @@ def test_more_logprobs_than_max_logprobs_is_a_400(http: httpx.Client, path: str,
 
 
 HEALTH_PROBE = """
-import json, sys, time, httpx
-answers, deadline = [], time.monotonic() + float(sys.argv[2])
+import json, sys, threading, time, httpx
+done = threading.Event()  # stdin closed: stop and print the answers
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+answers = []
 with httpx.Client(base_url=sys.argv[1], timeout=5) as client:
-    while time.monotonic() < deadline:
+    while not done.is_set():
         sent = time.monotonic()
         status = client.get("/health").status_code
         answers.append((sent, status, time.monotonic() - sent))
+        if len(answers) == 1:
+            print("ready", flush=True)
         time.sleep(0.02)
 print(json.dumps(answers))
 """
+
+
+def time_json_parse(body: bytes) -> float:
+    start = time.monotonic()
+    json.loads(body.decode())
+    return time.monotonic() - start
 
 
 def test_a_10mb_prompt_is_refused_while_health_and_streams_stay_live(server: Server, http: httpx.Client):
@@ -251,31 +262,42 @@ def test_a_10mb_prompt_is_refused_while_health_and_streams_stay_live(server: Ser
     ]
     reader = threading.Thread(target=stream)
     reader.start()
-    # /health is timed from a process of its own (this one's GIL would time itself), for 3 s before the
+    # /health is timed from a process of its own (this one's GIL would time itself), for 2 s before the
     # huge requests (the machine's own answer time, which a loaded test machine makes long) and during them
-    probe = subprocess.Popen(
-        [sys.executable, "-c", HEALTH_PROBE, server.base_url, "8"], stdout=subprocess.PIPE, text=True
-    )
+    probe = None
     try:
         assert first_token.wait(60)
-        time.sleep(3.0)
+        probe = subprocess.Popen(
+            [sys.executable, "-c", HEALTH_PROBE, server.base_url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert probe.stdout.readline() == "ready\n"
+        time.sleep(2.0)
+        parse_s = time_json_parse(huge_bodies[0][1])
         start = time.monotonic()
         refused = [http.post(path, content=body, headers=JSON) for path, body in huge_bodies]
         end = time.monotonic()
+        time.sleep(0.5)
         health = json.loads(probe.communicate(timeout=60)[0])
     finally:
         stop.set()
         reader.join(30)
-        probe.kill()
-        probe.wait()
+        if probe is not None:
+            probe.kill()
+            probe.wait()
     for response in refused:
         assert response.status_code == 400, response.text
         assert "--max-prompt-chars" in response.json()["error"]["message"]
     before = [latency for sent, _, latency in health if sent < start]
     during = [latency for sent, _, latency in health if start <= sent <= end]
     assert before and during and all(status == 200 for _, status, _ in health)
-    # the refusals add less than 100 ms to any health check
-    assert max(during) < max(before) + 0.1, (sorted(before)[-3:], sorted(during)[-3:])
+    # the refusals add less than 100 ms to any health check, plus what parsing one body's JSON costs this
+    # machine now (a C call holding the GIL, in any Python server: ~20 ms unloaded; tokenizing the prompt
+    # on the event loop, as before, costs seconds)
+    allowed = max(before) + 0.1 + 2 * parse_s
+    assert max(during) < allowed, (sorted(before)[-3:], sorted(during)[-3:], parse_s)
     assert any(start <= t <= end for t in stream_times), "the open stream received nothing meanwhile"
     assert not reader.is_alive()
     assert_idle(server)

@@ -348,7 +348,7 @@ def test_distribution_unchanged_with_bad_draft(tiny_llama_dir, bad_draft_dir):
     tokenizer = make_engine(tiny_llama_dir, num_gpu_blocks_override=8).tokenizer
     *context, forced = tokenizer.encode("def __init__(self")[:3]
     kwargs = {"max_num_seqs": 512, "max_num_batched_tokens": 4096}
-    exact_engine = make_engine(tiny_llama_dir, **kwargs)
+    exact_engine = make_engine(tiny_llama_dir, max_logprobs=-1, **kwargs)  # every token's logprob, as vLLM
     exact = run_batch(
         exact_engine, [context + [forced]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=4095)
     )

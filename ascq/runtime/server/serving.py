@@ -123,6 +123,9 @@ class OpenAIServing:
         parser = getattr(tool_options, "reasoning_parser", None)
         self.reasoning = REASONING_PARSERS[parser] if parser else None
         self.sampling_defaults = sampling_defaults or {}
+        # worker threads share the tokenizer (reads only); transformers' first encode clears a truncation or
+        # padding the tokenizer file sets, a write that must not race them, so it happens here
+        tokenizer.encode("")
         self.tokenizer = tokenizer
         self.prompter = prompter
         # every name clients may use (vLLM's --served-model-name a b); responses carry the first
@@ -198,9 +201,12 @@ class OpenAIServing:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self._check_model(body.model)
-        if not all(0 <= t < self.vocab_size for t in body.tokens):
+        return {"prompt": await asyncio.to_thread(self._decode_tokens, body.tokens)}
+
+    def _decode_tokens(self, tokens: list[int]) -> str:
+        if not all(0 <= t < self.vocab_size for t in tokens):
             raise APIError(400, f"tokens has token ids outside [0, {self.vocab_size})", param="tokens")
-        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
+        return self.tokenizer.decode(tokens)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
