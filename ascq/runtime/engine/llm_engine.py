@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ascq.core.errors import AscqError, UnsupportedError
+from ascq.core.errors import AscqError
 from ascq.runtime.engine.detokenizer import OutputText, stop_token_reason
 from ascq.runtime.engine.engine_args import EngineArgs
 from ascq.runtime.engine.inputs import PromptType, check_request_options, parse_prompt
@@ -90,18 +90,6 @@ class LLMEngine:
         self.num_step_tokens = 0  # tokens the last step ran (vLLM's iteration_tokens_total)
 
     # ---- requests ----------------------------------------------------------------------------------------
-
-    @classmethod
-    def from_engine_args(
-        cls, engine_args: EngineArgs, usage_context: Any = None, stat_loggers: Any = None, **_: Any
-    ) -> LLMEngine | Any:
-        """vLLM's constructor. With several ranks outside torchrun, rank 0 runs in its own process: the
-        returned `EngineCoreClient` has the same request / step API (see core_client.py)."""
-        if stat_loggers:
-            raise UnsupportedError("stat_loggers are not supported (ascq's statistics: get_stats())")
-        from ascq.runtime.engine.core_client import offline_engine
-
-        return offline_engine(engine_args)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
